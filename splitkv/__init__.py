@@ -1,0 +1,1 @@
+"""splitkv: generated split-KV ("flash-decoding") decode attention for NVIDIA GPUs."""

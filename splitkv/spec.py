@@ -1,0 +1,173 @@
+"""KernelSpec: the one vocabulary for every compile-time choice of a decode program.
+
+Everything that changes the generated CUDA lives here, and nothing else does: the renderer, the
+compile cache, the planner, the tuned tables and the CLI all speak in KernelSpecs. A spec is frozen
+and hashable, validates itself on construction and has a stable, readable ``name`` that is safe to use
+as a file name and as a cache or table key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+#: Head dimensions the templates are written for (multiples of 32 keep every MMA tile whole).
+HEAD_DIMS = (64, 96, 128, 256)
+#: Query heads served per K/V head (GQA group size); 1 is plain multi-head attention.
+MAX_GROUP = 16
+#: Query / output element types.
+Q_DTYPES = ("bf16", "fp16")
+#: K/V element types. Quantized formats join this tuple (and `KV_DTYPE_BITS`) as new values.
+KV_DTYPES = ("bf16", "fp16")
+KV_DTYPE_BITS = {"bf16": 16, "fp16": 16}
+#: dense: one CTA per (sequence, K/V head) writes the final output.
+#: split: several CTAs per (sequence, K/V head) write fp32 partials and their log-sum-exp,
+#: and an exact merge combines them (fused into the last CTA of a row, or a separate program).
+VARIANTS = ("dense", "split")
+WARPS = (1, 2, 4, 8)
+TILE_TOKENS = (16, 32, 64)
+STAGES = (2, 3, 4)
+
+#: Shared memory a CTA may use on sm_80+ after opting in (227 KB on sm_90; 163 KB on sm_80).
+MAX_SMEM_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+#: Shared-memory row padding in elements: one 16-byte chunk, so that the eight rows an ldmatrix
+#: reads fall in distinct banks for every supported head_dim.
+SMEM_ROW_PAD = 8
+
+_ARCH_RE = re.compile(r"^sm_?(\d+)(a?)$")
+
+
+def parse_arch(arch: str | int) -> str:
+    """Normalise 'sm90', 'sm_90', '90' or 90 to 'sm_90' (keeping an 'a' suffix: 'sm_90a')."""
+    text = str(arch).strip().lower()
+    if text.isdigit():
+        text = "sm_" + text
+    m = _ARCH_RE.match(text)
+    if not m:
+        raise ValueError(f"arch: expected something like 'sm_90' or 'sm90', got {arch!r}")
+    major_minor = int(m.group(1))
+    if major_minor < 80:
+        raise ValueError(f"arch: splitkv needs sm_80 or newer (bf16 tensor cores, cp.async); got {arch!r}")
+    return f"sm_{major_minor}{m.group(2)}"
+
+
+def arch_number(arch: str) -> int:
+    """'sm_90a' -> 90."""
+    return int(_ARCH_RE.match(parse_arch(arch)).group(1))
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Every compile-time choice of one decode program.
+
+    CTA shape: ``warps`` warps per CTA; each warp streams its own tiles of ``tile_tokens`` tokens
+    through a ``stages``-deep cp.async ring in shared memory, with its own online-softmax state; the
+    warps of a CTA combine their states once at the end. ``chunk_size`` is the split granularity:
+    the planner gives every split a whole number of chunks, so a split never starts mid-tile.
+    """
+
+    arch: str = "sm_90"
+    head_dim: int = 128
+    group_size: int = 4
+    q_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    variant: str = "split"
+    chunk_size: int = 256
+    warps: int = 4
+    tile_tokens: int = 32
+    stages: int = 2
+    fused_merge: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "arch", parse_arch(self.arch))
+        _check_choice("head_dim", self.head_dim, HEAD_DIMS)
+        if not isinstance(self.group_size, int) or not 1 <= self.group_size <= MAX_GROUP:
+            raise ValueError(f"group_size: expected an int in 1..{MAX_GROUP}, got {self.group_size!r}")
+        _check_choice("q_dtype", self.q_dtype, Q_DTYPES)
+        _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _check_choice("variant", self.variant, VARIANTS)
+        _check_choice("warps", self.warps, WARPS)
+        _check_choice("tile_tokens", self.tile_tokens, TILE_TOKENS)
+        _check_choice("stages", self.stages, STAGES)
+        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"chunk_size: expected a positive int, got {self.chunk_size!r}")
+        if self.chunk_size % self.tile_tokens:
+            raise ValueError(
+                f"chunk_size: {self.chunk_size} is not a multiple of tile_tokens={self.tile_tokens}")
+        if not isinstance(self.fused_merge, bool):
+            raise TypeError(f"fused_merge: expected a bool, got {self.fused_merge!r}")
+        limit = MAX_SMEM_BYTES.get(arch_number(self.arch), MAX_SMEM_BYTES[90])
+        if self.smem_bytes > limit:
+            raise ValueError(
+                f"CTA shape needs {self.smem_bytes} bytes of shared memory (warps={self.warps} x "
+                f"stages={self.stages} x tile_tokens={self.tile_tokens} x head_dim={self.head_dim}); "
+                f"{self.arch} allows {limit}")
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def mma_rows(self) -> int:
+        """Query-head rows of the m16n8k16 tile that carry data: 8 for groups up to 8, else 16."""
+        return 8 if self.group_size <= 8 else 16
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K plus V one token of one K/V head occupies in memory."""
+        return 2 * self.head_dim * KV_DTYPE_BITS[self.kv_dtype] // 8
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the per-warp K/V rings (reused for the CTA's final combine)."""
+        row = (self.head_dim + SMEM_ROW_PAD) * KV_DTYPE_BITS[self.kv_dtype] // 8
+        ring = self.warps * self.stages * self.tile_tokens * row * 2
+        combine = self.warps * (self.group_size * self.head_dim + 2 * 16) * 4
+        return max(ring, combine)
+
+    @property
+    def name(self) -> str:
+        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-fm'."""
+        merge = "-fm" if (self.variant == "split" and self.fused_merge) else ""
+        return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
+                f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}")
+
+    def replace(self, **changes) -> "KernelSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KernelSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"KernelSpec: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class MergeSpec:
+    """The standalone merge program: combines the fp32 partials of split rows (exact, base-2 LSE)."""
+
+    arch: str = "sm_90"
+    head_dim: int = 128
+    out_dtype: str = "bf16"
+    threads: int = field(default=128)
+
+    def __post_init__(self):
+        object.__setattr__(self, "arch", parse_arch(self.arch))
+        _check_choice("head_dim", self.head_dim, HEAD_DIMS)
+        _check_choice("out_dtype", self.out_dtype, Q_DTYPES)
+
+    @property
+    def name(self) -> str:
+        return f"{self.arch}-merge-d{self.head_dim}-{self.out_dtype}"
+
+
+def _check_choice(arg: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{arg}: expected one of {list(allowed)}, got {value!r}")

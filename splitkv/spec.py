@@ -124,7 +124,7 @@ class KernelSpec:
         """Dynamic shared memory: the per-warp K/V rings (reused for the CTA's final combine)."""
         row = (self.head_dim + SMEM_ROW_PAD) * KV_DTYPE_BITS[self.kv_dtype] // 8
         ring = self.warps * self.stages * self.tile_tokens * row * 2
-        combine = self.warps * (self.group_size * self.head_dim + 2 * 16) * 4
+        combine = (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16) * 4
         return max(ring, combine)
 
     @property

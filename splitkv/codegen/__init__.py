@@ -1,0 +1,44 @@
+"""Code generation: render KernelSpecs with Jinja2 and compile them with NVRTC.
+
+``render`` and ``compile_cubin`` need no GPU; ``load_kernel`` loads a compiled program onto the
+current device.
+"""
+
+from __future__ import annotations
+
+from ..heuristics import default_spec
+from ..spec import HEAD_DIMS, KV_DTYPES, KernelSpec, MergeSpec, parse_arch
+from .compile import CompileError, CompileResult, compile_cubin
+from .render import helper_headers, render
+
+#: Group sizes built ahead of time by ``splitkv-gen``; any other group in 1..16 compiles on first use.
+DEFAULT_GROUP_SIZES = (1, 2, 4, 8, 16)
+
+
+def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> list:
+    """The kernel set ``splitkv-gen --arch ARCH`` builds: for every head_dim, group size and dtype
+    (queries in the K/V dtype), the dense and split decode programs in their built-in CTA shape,
+    and the merge program per head_dim and output dtype."""
+    arch = parse_arch(arch)
+    head_dims = tuple(head_dims or HEAD_DIMS)
+    group_sizes = tuple(group_sizes or DEFAULT_GROUP_SIZES)
+    kv_dtypes = tuple(kv_dtypes or KV_DTYPES)
+    specs: list = []
+    for dtype in kv_dtypes:
+        for head_dim in head_dims:
+            for group in group_sizes:
+                for variant in ("dense", "split"):
+                    specs.append(default_spec(arch, head_dim, group, dtype, dtype, variant))
+            specs.append(MergeSpec(arch=arch, head_dim=head_dim, out_dtype=dtype))
+    return specs
+
+
+def load_kernel(spec):
+    """(CuPy function, CompileResult) for ``spec`` on the current GPU."""
+    from .load import load_kernel as _load
+
+    return _load(spec)
+
+
+__all__ = ["CompileError", "CompileResult", "DEFAULT_GROUP_SIZES", "KernelSpec", "MergeSpec", "compile_cubin",
+           "default_specs", "helper_headers", "load_kernel", "render"]

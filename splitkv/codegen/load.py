@@ -1,0 +1,35 @@
+"""Load compiled programs onto the current GPU (the only part of codegen that needs one)."""
+
+from __future__ import annotations
+
+import threading
+
+from ..spec import KernelSpec, MergeSpec
+from .compile import CompileResult, compile_cubin
+from .render import kernel_name
+
+#: Above this a kernel must opt in to more dynamic shared memory.
+_DEFAULT_SMEM_LIMIT = 48 * 1024
+
+_loaded: dict[tuple, tuple] = {}
+_lock = threading.Lock()
+
+
+def load_kernel(spec: KernelSpec | MergeSpec):
+    """(CuPy kernel function, CompileResult) for ``spec`` on the current device, cached per device."""
+    import cupy
+
+    device = cupy.cuda.Device().id
+    key = (spec, device)
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+    result: CompileResult = compile_cubin(spec)
+    module = cupy.RawModule(path=str(result.cubin_path))
+    function = module.get_function(kernel_name(spec))
+    smem = getattr(spec, "smem_bytes", 0)
+    if smem > _DEFAULT_SMEM_LIMIT:
+        function.max_dynamic_shared_size_bytes = smem
+    with _lock:
+        _loaded[key] = (function, result)
+    return function, result

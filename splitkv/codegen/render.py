@@ -1,0 +1,64 @@
+"""Render KernelSpecs into CUDA source with Jinja2.
+
+Jinja only fills parameters; loops, indexing and math stay in the templates' plain CUDA. The
+shared device helpers (``*.cuh``) are plain CUDA headers that the rendered programs ``#include``;
+the compiler hands them to NVRTC by name (see ``helper_headers``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+
+import jinja2
+
+from ..spec import SMEM_ROW_PAD, KernelSpec, MergeSpec
+
+#: C++ element type for each dtype name of the spec vocabulary.
+CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
+
+DECODE_KERNEL = "splitkv_decode"
+MERGE_KERNEL = "splitkv_merge"
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("splitkv", "templates"),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def helper_headers() -> dict[str, str]:
+    """The ``.cuh`` helpers by include name, as NVRTC receives them."""
+    return dict(sorted(_helper_headers().items()))
+
+
+@functools.lru_cache(maxsize=1)
+def _helper_headers() -> dict[str, str]:
+    folder = importlib.resources.files("splitkv") / "templates"
+    return {entry.name: entry.read_text() for entry in folder.iterdir() if entry.name.endswith(".cuh")}
+
+
+def kernel_name(spec: KernelSpec | MergeSpec) -> str:
+    return MERGE_KERNEL if isinstance(spec, MergeSpec) else DECODE_KERNEL
+
+
+def template_parameters(spec: KernelSpec | MergeSpec) -> dict:
+    """The values a template sees: the spec's fields plus the C++ spellings derived from them."""
+    params = dict(spec.to_dict() if isinstance(spec, KernelSpec) else vars(spec))
+    params.update(name=spec.name, kernel_name=kernel_name(spec))
+    if isinstance(spec, MergeSpec):
+        params["out_type"] = CUDA_TYPES[spec.out_dtype]
+    else:
+        params.update(q_type=CUDA_TYPES[spec.q_dtype], kv_type=CUDA_TYPES[spec.kv_dtype],
+                      smem_pad=SMEM_ROW_PAD)
+    return params
+
+
+def render(spec: KernelSpec | MergeSpec) -> str:
+    """CUDA source of the program that ``spec`` names."""
+    template = "merge.cu.j2" if isinstance(spec, MergeSpec) else "decode.cu.j2"
+    return _environment().get_template(template).render(**template_parameters(spec))

@@ -1,0 +1,46 @@
+"""The built-in choice of CTA shape per workload key, and occupancy arithmetic.
+
+This is the fallback that tuned tables (a later addition) improve on: one CTA shape per
+(head_dim, group size, dtypes) chosen from measurements on an H200, and the resident-CTA count
+the planner needs, computed from the compiled kernel's registers and shared memory.
+"""
+
+from __future__ import annotations
+
+from .spec import KernelSpec, arch_number
+
+#: Per-SM resources by compute capability major (Ampere through Blackwell have the same limits
+#: except shared memory): registers, threads, CTAs, shared memory per SM in bytes.
+_REGISTERS_PER_SM = 65536
+_THREADS_PER_SM = {80: 2048, 86: 1536, 89: 1536, 90: 2048, 100: 2048}
+_CTAS_PER_SM = {80: 32, 86: 16, 89: 24, 90: 32, 100: 32}
+_SMEM_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024, 100: 228 * 1024}
+#: The driver reserves 1 KB of shared memory per resident CTA.
+_SMEM_RESERVED_PER_CTA = 1024
+
+
+def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16", kv_dtype: str = "bf16",
+                 variant: str = "split") -> KernelSpec:
+    """The built-in CTA shape: four warps, each streaming 32-token tiles two stages deep.
+
+    One split gets a whole number of 128-token chunks (one tile per warp), fine enough for the
+    planner to cut short sequences into many splits. head_dim 256 halves the tile to fit the ring
+    in shared memory.
+    """
+    tile = 16 if head_dim > 128 else 32
+    warps = 4
+    return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                      variant=variant, chunk_size=warps * tile, warps=warps, tile_tokens=tile, stages=2)
+
+
+def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:
+    """CTAs of ``spec`` one SM holds at once, limited by registers, threads, CTAs and shared memory."""
+    arch = arch_number(spec.arch)
+    key = arch if arch in _THREADS_PER_SM else 90
+    limits = [_THREADS_PER_SM[key] // spec.threads, _CTAS_PER_SM[key],
+              _SMEM_PER_SM[key] // (spec.smem_bytes + _SMEM_RESERVED_PER_CTA)]
+    if registers:
+        # Registers are allocated per warp in units of 256.
+        per_warp = -(-registers * 32 // 256) * 256
+        limits.append(_REGISTERS_PER_SM // per_warp // spec.warps)
+    return max(1, min(limits))

@@ -1,0 +1,168 @@
+"""Host planner: decides whether and how finely to split each sequence's K/V across CTAs.
+
+Pure NumPy, no GPU. Everything the launch needs is in the returned ``SplitPlan``; ``plan_splits``
+is the only entry point, so a better planner can replace this one without touching its callers.
+
+v1 model: a work unit is one (sequence, K/V head). When the units alone fill a wave of resident
+CTAs, or no sequence is longer than one chunk, the dense program runs. Otherwise the longest
+sequence is cut into ``s`` equal, chunk-aligned splits, with ``s`` chosen to minimise a predicted
+makespan of ``waves * tokens_per_split`` plus a merge cost per split; every other sequence uses the
+same split length and so needs fewer splits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .spec import VARIANTS
+
+#: Predicted cost of one extra split, in tokens of K/V streamed by one CTA. A split writes, and the
+#: merge reads back, G x D fp32 partials per K/V head (about G tokens' worth of K/V bytes, twice),
+#: and a split row serialises on its merge. 16 is a rough prior for group sizes up to 8, enough to
+#: stop the planner from trading a few percent of wave fill for many more partials.
+MERGE_COST_TOKENS_PER_SPLIT = 16
+
+#: Upper bound on the grid, in waves of resident CTAs: more splits only add partials to merge.
+MAX_WAVES = 2
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """How one decode call is laid out on the GPU.
+
+    ``splits_per_seq[b]`` splits of ``tokens_per_split`` tokens cover sequence ``b`` (the last one
+    shorter); it is at least 1, so an empty sequence still gets the CTA that writes its zeros and
+    ``-inf``. The grid is ``B x num_kv_heads x num_splits``; CTAs past a sequence's last split exit.
+    """
+
+    variant: str
+    tokens_per_split: int
+    num_splits: int
+    splits_per_seq: np.ndarray
+    num_ctas: int
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant: expected one of {list(VARIANTS)}, got {self.variant!r}")
+        # A read-only private copy keeps a frozen plan frozen even if the caller's array changes.
+        counts = np.array(self.splits_per_seq, dtype=np.int32)
+        counts.setflags(write=False)
+        object.__setattr__(self, "splits_per_seq", counts)
+
+    # Arrays have no single truth value, so equality and hashing compare the counts by value.
+    def __eq__(self, other):
+        if not isinstance(other, SplitPlan):
+            return NotImplemented
+        return (self.variant, self.tokens_per_split, self.num_splits, self.num_ctas) == (
+            other.variant, other.tokens_per_split, other.num_splits, other.num_ctas
+        ) and np.array_equal(self.splits_per_seq, other.splits_per_seq)
+
+    def __hash__(self):
+        return hash((self.variant, self.tokens_per_split, self.num_splits, self.num_ctas,
+                     self.splits_per_seq.tobytes()))
+
+
+def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max_splits=None):
+    """Plan one decode call for sequences of ``seq_lens`` tokens (see the module notes)."""
+    lens = _check_lens(seq_lens)
+    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+    chunk_size = _positive_int("chunk_size", chunk_size)
+    num_sms = _positive_int("num_sms", num_sms)
+    ctas_per_sm = _positive_int("ctas_per_sm", ctas_per_sm)
+    if max_splits is not None:
+        max_splits = _positive_int("max_splits", max_splits)
+
+    units = lens.size * num_kv_heads
+    slots = num_sms * ctas_per_sm
+    max_len = int(lens.max())
+    if units >= slots or max_len <= chunk_size:
+        return _dense(lens, num_kv_heads, chunk_size)
+
+    # Every split count that keeps the grid within MAX_WAVES, capped so no split is under a chunk.
+    limit = min(MAX_WAVES * slots // units, _ceil_div(max_len, chunk_size))
+    if max_splits is not None:
+        limit = min(limit, max_splits)
+    tokens_per_split = _choose_tokens_per_split(max_len, units, slots, chunk_size, limit)
+
+    splits_per_seq = np.maximum(_ceil_div(lens, tokens_per_split), 1)
+    num_splits = int(splits_per_seq.max())
+    if num_splits == 1:
+        return _dense(lens, num_kv_heads, chunk_size)
+    return SplitPlan("split", tokens_per_split, num_splits, splits_per_seq,
+                     units * num_splits)
+
+
+def fixed_plan(seq_lens, num_kv_heads, *, variant, chunk_size, num_splits=None):
+    """A plan whose variant (and, for split, the split count of the longest sequence) the caller
+    fixes instead of the cost model: for tests, benchmarks and the autotuner."""
+    lens = _check_lens(seq_lens)
+    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+    chunk_size = _positive_int("chunk_size", chunk_size)
+    if variant == "dense":
+        return _dense(lens, num_kv_heads, chunk_size)
+    if variant != "split":
+        raise ValueError(f"variant: expected 'dense' or 'split', got {variant!r}")
+    max_len = max(int(lens.max()), 1)
+    wanted = _positive_int("num_splits", num_splits if num_splits is not None else 4)
+    tokens_per_split = chunk_size * _ceil_div(_ceil_div(max_len, wanted), chunk_size)
+    splits_per_seq = np.maximum(_ceil_div(lens, tokens_per_split), 1)
+    num_splits = int(splits_per_seq.max())
+    return SplitPlan("split", tokens_per_split, num_splits, splits_per_seq, lens.size * num_kv_heads * num_splits)
+
+
+def describe(plan: SplitPlan) -> str:
+    """One line for logs, e.g. 'split: B=2, 6 x 1024 tokens (splits/seq 3..6), 96 CTAs'."""
+    counts = plan.splits_per_seq
+    batch = counts.size
+    if plan.variant == "dense":
+        return f"dense: B={batch}, up to {plan.tokens_per_split} tokens, {plan.num_ctas} CTAs"
+    return (f"split: B={batch}, {plan.num_splits} x {plan.tokens_per_split} tokens "
+            f"(splits/seq {int(counts.min())}..{int(counts.max())}), {plan.num_ctas} CTAs")
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _choose_tokens_per_split(max_len, units, slots, chunk_size, limit):
+    """Split length whose predicted makespan is smallest over 1..limit splits of the longest sequence.
+
+    Candidates are scored by the splits they really produce after chunk rounding, so two candidates
+    that round to the same split length score the same; ties go to the fewest splits.
+    """
+    candidates = np.arange(1, max(limit, 1) + 1, dtype=np.int64)
+    tokens = chunk_size * _ceil_div(_ceil_div(max_len, candidates), chunk_size)
+    splits = _ceil_div(max_len, tokens)
+    waves = _ceil_div(units * splits, slots)
+    merge_cost = np.where(splits > 1, MERGE_COST_TOKENS_PER_SPLIT * splits, 0)
+    makespan = waves * tokens + merge_cost
+    return int(tokens[np.argmin(makespan)])  # argmin takes the first, i.e. fewest, of equal scores
+
+
+def _dense(lens, num_kv_heads, chunk_size):
+    tokens_per_split = chunk_size * max(1, _ceil_div(int(lens.max()), chunk_size))
+    return SplitPlan("dense", tokens_per_split, 1, np.ones(lens.size, dtype=np.int32),
+                     lens.size * num_kv_heads)
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _check_lens(seq_lens):
+    lens = np.asarray(seq_lens)
+    if lens.ndim != 1:
+        raise ValueError(f"seq_lens: expected a 1-D sequence of lengths, got shape {lens.shape}")
+    if lens.size == 0:
+        raise ValueError("seq_lens: the batch is empty; expected at least one sequence")
+    if not np.issubdtype(lens.dtype, np.integer):
+        raise ValueError(f"seq_lens: expected integers, got dtype {lens.dtype}")
+    if np.any(lens < 0):
+        raise ValueError(f"seq_lens: lengths must be >= 0, got min {int(lens.min())}")
+    return lens.astype(np.int64)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)

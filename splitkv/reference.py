@@ -1,0 +1,188 @@
+"""Float64 NumPy reference for decode attention, and an emulator of the split + merge path.
+
+The reference is the ground truth every GPU program is checked against. The emulator computes what
+the split program writes (normalised partial outputs and their base-2 log-sum-exp per token range)
+and merges them exactly as the merge program does, so a planner or merge bug shows up on the CPU
+without a GPU in the loop.
+
+Shapes: q ``[B, Hq, D]``; k and v ``[B, L_max, Hkv, D]``; ``seq_lens`` ``[B]``. Query head ``i``
+reads K/V head ``i // (Hq // Hkv)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+
+
+def attention_reference(q, k, v, seq_lens, sm_scale=None):
+    """Exact decode attention in float64. Returns ``(out [B, Hq, D], lse [B, Hq])``.
+
+    ``lse`` is the natural-log log-sum-exp of the scaled logits. A length-0 sequence gives zeros
+    and ``-inf``.
+    """
+    q, k, v, lens, scale = _prepare(q, k, v, seq_lens, sm_scale)
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[2]
+    max_len = k.shape[1]
+
+    # [B, Hkv, G, D] x [B, L, Hkv, D] -> [B, Hkv, G, L]
+    logits = np.einsum("bhgd,blhd->bhgl", _grouped(q, group), k) * scale
+    valid = np.arange(max_len)[None, :] < lens[:, None]  # [B, L]
+    logits = np.where(valid[:, None, None, :], logits, -np.inf)
+    v = np.where(valid[:, :, None, None], v, 0.0)  # a cache may hold garbage, even NaN, past the end
+
+    out, lse = _softmax_v(logits, v, "bhgl,blhd->bhgd")
+    return out.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
+
+
+def split_partials(q, k, v, seq_lens, tokens_per_split, num_splits, sm_scale=None):
+    """What the split program writes: per (sequence, split) partial outputs and base-2 LSE.
+
+    Split ``s`` of sequence ``b`` covers tokens ``[s * tokens_per_split, min((s + 1) *
+    tokens_per_split, seq_lens[b]))``. Returns ``(partial_o [B, S, Hq, D], partial_lse2 [B, S, Hq])``
+    where ``partial_o`` is normalised over its own range and ``partial_lse2`` is
+    ``log2 sum 2^(log2(e) * scale * logit)`` over it; an empty range gives zeros and ``-inf``.
+    """
+    q, k, v, lens, scale = _prepare(q, k, v, seq_lens, sm_scale)
+    tps = _positive_int("tokens_per_split", tokens_per_split)
+    splits = _positive_int("num_splits", num_splits)
+    if lens.size and int(lens.max()) > tps * splits:
+        raise ValueError(
+            f"num_splits: {splits} splits of tokens_per_split={tps} cover {tps * splits} tokens, "
+            f"fewer than the longest sequence ({int(lens.max())})")
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+
+    # Lay the tokens out as [split, token-in-split] so every split is one slice of a reshape;
+    # padding past L_max is masked out like any token past the sequence end.
+    span = tps * splits
+    k = _pad_or_trim_tokens(k, span).reshape(batch, splits, tps, num_kv_heads, head_dim)
+    v = _pad_or_trim_tokens(v, span).reshape(batch, splits, tps, num_kv_heads, head_dim)
+
+    logits = np.einsum("bhgd,bsthd->bhgst", _grouped(q, group), k) * scale
+    valid = np.arange(span).reshape(splits, tps)[None] < lens[:, None, None]  # [B, S, T]
+    logits = np.where(valid[:, None, None], logits, -np.inf)
+    v = np.where(valid[:, :, :, None, None], v, 0.0)  # a cache may hold garbage, even NaN, past the end
+
+    out, lse = _softmax_v(logits, v, "bhgst,bsthd->bhgsd")  # [B, Hkv, G, S, D], [B, Hkv, G, S]
+    partial_o = out.reshape(batch, num_q_heads, splits, head_dim).transpose(0, 2, 1, 3)
+    partial_lse2 = lse.reshape(batch, num_q_heads, splits).transpose(0, 2, 1) * _LOG2E
+    return np.ascontiguousarray(partial_o), np.ascontiguousarray(partial_lse2)
+
+
+def merge_partials(partial_o, partial_lse2, splits_per_seq=None):
+    """Exact merge of split partials. Returns ``(out [B, Hq, D], lse [B, Hq])``, lse in natural log.
+
+    ``out = sum_i 2^(lse2_i - m) O_i / sum_i 2^(lse2_i - m)`` with ``m = max_i lse2_i``. Only the
+    first ``splits_per_seq[b]`` splits of sequence ``b`` count (all when it is None); whatever the
+    others hold, even NaN, is ignored. Rows with no finite partial give zeros and ``-inf``.
+    """
+    o = np.asarray(partial_o, dtype=np.float64)
+    lse2 = np.asarray(partial_lse2, dtype=np.float64)
+    if o.ndim != 4:
+        raise ValueError(f"partial_o: expected rank 4 [B, S, Hq, D], got shape {o.shape}")
+    if lse2.shape != o.shape[:3]:
+        raise ValueError(f"partial_lse2: expected shape {o.shape[:3]}, got {lse2.shape}")
+    batch, splits = o.shape[:2]
+    if splits_per_seq is not None:
+        counts = np.asarray(splits_per_seq)
+        if counts.shape != (batch,) or not np.issubdtype(counts.dtype, np.integer):
+            raise ValueError(f"splits_per_seq: expected {batch} integers, got {counts!r}")
+        if np.any((counts < 0) | (counts > splits)):
+            raise ValueError(f"splits_per_seq: values must lie in 0..{splits}, got {counts}")
+        used = np.arange(splits)[None, :] < counts[:, None]
+        lse2 = np.where(used[:, :, None], lse2, -np.inf)
+
+    m = lse2.max(axis=1)  # [B, Hq]
+    m_safe = np.where(np.isfinite(m), m, 0.0)  # all--inf rows would otherwise give inf - inf
+    weights = np.exp2(lse2 - m_safe[:, None, :])  # exactly 0 where lse2 is -inf
+    # `!= 0` rather than `> 0` so that a NaN in a split that counts reaches the output.
+    live = weights != 0
+    numer = np.where(live[..., None], o, 0.0) * weights[..., None]
+    numer = numer.sum(axis=1)
+    denom = weights.sum(axis=1)
+    has_mass = denom != 0
+    safe_denom = np.where(has_mass, denom, 1.0)
+    out = np.where(has_mass[..., None], numer / safe_denom[..., None], 0.0)
+    lse = np.where(has_mass, (m_safe + np.log2(safe_denom)) * _LN2, -np.inf)
+    return out, lse
+
+
+def emulate_split_decode(q, k, v, seq_lens, plan, sm_scale=None):
+    """Run ``plan`` (a ``splitkv.plan.SplitPlan``) on the CPU: split partials, then the exact merge."""
+    partial_o, partial_lse2 = split_partials(
+        q, k, v, seq_lens, plan.tokens_per_split, plan.num_splits, sm_scale)
+    return merge_partials(partial_o, partial_lse2, plan.splits_per_seq)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _softmax_v(logits, v, subscripts):
+    """Stable softmax over the last axis of ``logits`` applied to ``v``; fully masked rows -> 0, -inf."""
+    m = logits.max(axis=-1, keepdims=True, initial=-np.inf)  # L_max may be 0
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(logits - m_safe)  # exp(-inf) is exactly 0 for masked tokens
+    denom = p.sum(axis=-1)
+    has_mass = denom != 0  # NaN from bad inputs must reach the output, not turn into 0
+    safe_denom = np.where(has_mass, denom, 1.0)
+    out = np.einsum(subscripts, p, v) / safe_denom[..., None]
+    lse = np.where(has_mass, m_safe[..., 0] + np.log(safe_denom), -np.inf)
+    return out, lse
+
+
+def _grouped(q, group):
+    """[B, Hq, D] -> [B, Hkv, G, D]: the G query heads that share one K/V head sit together."""
+    batch, num_q_heads, head_dim = q.shape
+    return q.reshape(batch, num_q_heads // group, group, head_dim)
+
+
+def _pad_or_trim_tokens(x, span):
+    """Make the token axis of [B, L, H, D] exactly ``span`` long (zeros past L; the caller masks them)."""
+    length = x.shape[1]
+    if length >= span:
+        return x[:, :span]
+    pad = np.zeros((x.shape[0], span - length) + x.shape[2:], dtype=x.dtype)
+    return np.concatenate([x, pad], axis=1)
+
+
+def _prepare(q, k, v, seq_lens, sm_scale):
+    q = _as_f64("q", q, 3)
+    k = _as_f64("k", k, 4)
+    v = _as_f64("v", v, 4)
+    batch, num_q_heads, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k: expected shape [{batch}, L_max, Hkv, {head_dim}], got {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected the shape of k {k.shape}, got {v.shape}")
+    num_kv_heads = k.shape[2]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q: {num_q_heads} query heads is not a multiple of the {num_kv_heads} K/V heads of k")
+    lens = np.asarray(seq_lens)
+    if lens.shape != (batch,) or not (lens.size == 0 or np.issubdtype(lens.dtype, np.integer)):
+        raise ValueError(f"seq_lens: expected {batch} integers, got {seq_lens!r}")
+    lens = lens.astype(np.int64)
+    if np.any((lens < 0) | (lens > k.shape[1])):
+        raise ValueError(f"seq_lens: values must lie in 0..{k.shape[1]} (L_max of k), got {lens}")
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return q, k, v, lens, scale
+
+
+def _as_f64(name, x, rank):
+    # astype handles ml_dtypes (bfloat16, fp8) as well as NumPy's own float types.
+    arr = np.asarray(x)
+    if arr.ndim != rank:
+        raise ValueError(f"{name}: expected rank {rank}, got shape {arr.shape}")
+    return arr.astype(np.float64)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return int(value)

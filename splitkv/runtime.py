@@ -1,0 +1,278 @@
+"""DecodeAttention: validate, choose the programs, plan, launch.
+
+``plan()`` does everything that may synchronise, allocate or compile: it reads the lengths, picks
+dense or split, compiles (or loads from the cache) the programs and sizes the workspace.
+``run()`` only reads array metadata and enqueues one or two kernels on the caller's stream, so it
+can be captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+import numpy as np
+
+from . import tensors
+from .heuristics import default_spec, resident_ctas_per_sm
+from .plan import SplitPlan, fixed_plan, plan_splits
+from .spec import KernelSpec, MergeSpec
+
+_LOG2E = 1.4426950408889634
+_MERGE_THREADS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """Everything run() needs, fixed at plan time."""
+
+    plan: SplitPlan
+    spec: KernelSpec
+    decode_fn: object
+    merge_fn: object | None
+    batch: int
+    max_len: int  # longest planned sequence: k.shape[1] must hold it
+    seq_lens: object  # device int32 [batch] (the plan's copy, or the caller's array)
+    partial_o: object | None
+    partial_lse: object | None
+    counters: object | None
+
+
+class DecodeAttention:
+    """Decode attention for a fixed head layout, planned once per step and run once per layer.
+
+    >>> attn = DecodeAttention(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    >>> attn.plan(seq_lens)               # host lengths (or a device int32 array, read back)
+    >>> out = attn.run(q, k, v)           # every layer of the step; no sync, no compile
+
+    ``spec`` overrides the built-in CTA shape (its variant is chosen by the planner).
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: str = "bf16",
+                 kv_dtype: str = "bf16", sm_scale: float | None = None, spec: KernelSpec | None = None):
+        import cupy
+
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.group_size = num_qo_heads // num_kv_heads
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        device = cupy.cuda.Device()
+        self.device = device.id
+        self.arch = "sm_" + device.compute_capability
+        self.num_sms = device.attributes["MultiProcessorCount"]
+        base = spec or default_spec(self.arch, head_dim, self.group_size, q_dtype, kv_dtype)
+        if (base.head_dim, base.group_size, base.q_dtype, base.kv_dtype) != (
+                head_dim, self.group_size, q_dtype, kv_dtype):
+            raise ValueError(f"spec: {base.name} does not match head_dim={head_dim}, group={self.group_size}, "
+                             f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
+        self.split_spec = base.replace(arch=self.arch, variant="split")
+        self.dense_spec = base.replace(arch=self.arch, variant="dense")
+        self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
+        self._launch: _Launch | None = None
+        self._workspace: dict[str, object] = {}
+
+    # ---- planning (may sync, allocate, compile) ------------------------------------------------
+    def plan(self, seq_lens, max_len: int | None = None, *, variant: str | None = None,
+             num_splits: int | None = None) -> SplitPlan:
+        """Choose dense or split for these lengths, compile what that needs, size the workspace.
+
+        ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
+        given, bounds the lengths; it defaults to the longest one. ``variant`` (and ``num_splits``
+        for 'split') override the planner's choice, for tests, benchmarks and tuning.
+        """
+        from .codegen.load import load_kernel
+
+        host_lens = self._host_lengths(seq_lens, max_len)
+        batch = host_lens.size
+        # The split program's registers bound how many CTAs an SM holds, which the planner needs.
+        _, split_compiled = load_kernel(self.split_spec)
+        ctas_per_sm = resident_ctas_per_sm(self.split_spec, split_compiled.registers)
+        if variant is None:
+            plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
+                               num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
+        else:
+            plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
+                              chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
+        spec = self.split_spec if plan.variant == "split" else self.dense_spec
+        decode_fn, _ = load_kernel(spec)
+        merge_fn = None
+        partial_o = partial_lse = counters = None
+        if plan.variant == "split":
+            rows = batch * plan.num_splits * self.num_qo_heads
+            partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
+            partial_lse = self._buffer("partial_lse", rows, np.float32)
+            if spec.fused_merge:
+                counters = self._buffer("counters", batch * self.num_kv_heads, np.int32, zero=True)
+            else:
+                merge_fn, _ = load_kernel(self.merge_spec)
+        if _is_device(seq_lens):  # the caller's array: lengths it rewrites in place reach graph replays
+            device_lens = tensors.to_cupy(seq_lens)
+        else:
+            device_lens = self._buffer("seq_lens", batch, np.int32)
+            device_lens.set(host_lens)
+        self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, int(host_lens.max(initial=0)),
+                               device_lens, partial_o, partial_lse, counters)
+        return plan
+
+    @property
+    def plan_info(self) -> str:
+        if self._launch is None:
+            return "not planned"
+        p = self._launch.plan
+        return (f"{p.variant}: {p.num_splits} split(s) of {p.tokens_per_split} tokens, {p.num_ctas} CTAs "
+                f"on {self.num_sms} SMs; {self._launch.spec.name}")
+
+    def _host_lengths(self, seq_lens, max_len) -> np.ndarray:
+        if seq_lens is None:
+            raise ValueError("seq_lens: plan() needs the lengths (host ints or a device int32 array)")
+        if _is_device(seq_lens):
+            info = tensors.describe(seq_lens, "seq_lens")
+            if info.dtype != "int32" or len(info.shape) != 1:
+                raise TypeError(f"seq_lens: expected a 1-D int32 device array, got {info.dtype} {info.shape}")
+            host = np.asarray(tensors.to_cupy(seq_lens).get(), dtype=np.int32)  # the one sync of plan()
+        else:
+            host = np.asarray(seq_lens)
+            if host.ndim != 1 or (host.size and not np.issubdtype(host.dtype, np.integer)):
+                raise ValueError(f"seq_lens: expected a 1-D sequence of integer lengths, got {seq_lens!r:.80}")
+            host = host.astype(np.int64)
+        if host.size == 0:
+            raise ValueError("seq_lens: the batch is empty")
+        limit = int(host.max()) if max_len is None else int(max_len)
+        bad = np.flatnonzero((host < 0) | (host > limit))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"seq_lens[{i}] = {int(host[i])} is outside 0..{limit}")
+        return host.astype(np.int32)
+
+    def _buffer(self, name: str, size: int, dtype, zero: bool = False):
+        """A workspace array of at least ``size`` elements, reused across plans while it fits."""
+        import cupy
+
+        held = self._workspace.get(name)
+        if held is None or held.size < size:
+            held = cupy.zeros(max(size, 1), dtype=dtype)
+            self._workspace[name] = held
+        elif zero:
+            held[:size].fill(0)
+        return held[:size]
+
+    # ---- running (no sync, no allocation when out/lse are given, no compile) -------------------
+    def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False, stream=None):
+        """Attention of ``q`` over the planned lengths of ``k`` / ``v``; returns out (and lse)."""
+        launch = self._launch
+        if launch is None:
+            raise RuntimeError("run() before plan(): call plan(seq_lens) first")
+        qi = tensors.describe(q, "q", bf16_from_uint16=True)
+        ki = tensors.describe(k, "k", bf16_from_uint16=True)
+        vi = tensors.describe(v, "v", bf16_from_uint16=True)
+        if out is None:
+            out = _empty_like(q, qi.shape)
+        oi = tensors.describe(out, "out", bf16_from_uint16=True)
+        if return_lse and lse is None:
+            lse = _empty_like(q, qi.shape[:2], float32=True)
+        li = tensors.describe(lse, "lse") if lse is not None else None
+        shapes = tensors.check_decode_inputs(qi, ki, vi, out=oi, lse=li)
+        self._check_against_plan(shapes, launch)
+
+        ptr = lambda info: np.uint64(info.ptr if info is not None else 0)  # noqa: E731
+        dev_ptr = lambda arr: np.uint64(arr.data.ptr if arr is not None else 0)  # noqa: E731
+        plan, spec = launch.plan, launch.spec
+        with _stream(tensors.stream_ptr(q, stream)):
+            launch.decode_fn(
+                (plan.num_splits, self.num_kv_heads, launch.batch), (spec.threads,),
+                (ptr(qi), ptr(ki), ptr(vi), dev_ptr(launch.seq_lens), ptr(oi), ptr(li),
+                 dev_ptr(launch.partial_o), dev_ptr(launch.partial_lse), dev_ptr(launch.counters),
+                 np.int32(shapes.max_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
+                 np.float32(self.sm_scale * _LOG2E)),
+                shared_mem=spec.smem_bytes)
+            if launch.merge_fn is not None:
+                rows = launch.batch * self.num_qo_heads
+                warps = _MERGE_THREADS // 32
+                launch.merge_fn(
+                    ((rows + warps - 1) // warps,), (_MERGE_THREADS,),
+                    (dev_ptr(launch.partial_o), dev_ptr(launch.partial_lse), dev_ptr(launch.seq_lens), ptr(oi),
+                     ptr(li), np.int32(launch.batch), np.int32(self.num_qo_heads), np.int32(plan.num_splits),
+                     np.int32(plan.tokens_per_split)))
+        return (out, lse) if return_lse else out
+
+    def _check_against_plan(self, shapes: tensors.DecodeShapes, launch: _Launch) -> None:
+        expected = (launch.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                    self.split_spec.q_dtype, self.split_spec.kv_dtype)
+        got = (shapes.batch, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
+               shapes.q_dtype, shapes.kv_dtype)
+        if got != expected:
+            raise ValueError(f"q/k/v: planned for (batch, num_qo_heads, num_kv_heads, head_dim, q_dtype, "
+                             f"kv_dtype) = {expected}, got {got}")
+        if shapes.max_len < launch.max_len:
+            raise ValueError(f"k: holds {shapes.max_len} tokens (k.shape[1]) but the plan has a sequence of "
+                             f"{launch.max_len}")
+
+
+# ---- one-shot API ------------------------------------------------------------------------------
+_instances: dict[tuple, DecodeAttention] = {}
+_instances_lock = threading.Lock()
+
+
+def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, return_lse: bool = False,
+           stream=None):
+    """Decode attention of ``q`` [B, Hq, D] over ``k``, ``v`` [B, L_max, Hkv, D].
+
+    ``seq_lens``: per-sequence lengths (host ints or a device int32 array; None = all L_max).
+    Returns ``out`` [B, Hq, D] in q's dtype and kind (CuPy or torch), and with ``return_lse`` also
+    the natural-log log-sum-exp [B, Hq] in float32. Plans on every call (reading device lengths
+    back); for the hot loop of a server use `DecodeAttention` and call ``run`` per layer.
+    """
+    qi = tensors.describe(q, "q", bf16_from_uint16=True)
+    ki = tensors.describe(k, "k", bf16_from_uint16=True)
+    vi = tensors.describe(v, "v", bf16_from_uint16=True)
+    shapes = tensors.check_decode_inputs(qi, ki, vi)
+    if seq_lens is None:
+        seq_lens = np.full(shapes.batch, shapes.max_len, dtype=np.int32)
+    elif not _is_device(seq_lens):
+        tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
+    key = (qi.device, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim, shapes.q_dtype,
+           shapes.kv_dtype, sm_scale)
+    with _instances_lock:
+        attn = _instances.get(key)
+        if attn is None:
+            attn = DecodeAttention(shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
+                                   q_dtype=shapes.q_dtype, kv_dtype=shapes.kv_dtype, sm_scale=sm_scale)
+            _instances[key] = attn
+        attn.plan(seq_lens, max_len=shapes.max_len)
+        return attn.run(q, k, v, out=out, return_lse=return_lse, stream=stream)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _is_device(x) -> bool:
+    if x is None or isinstance(x, (list, tuple, np.ndarray)):
+        return False
+    if type(x).__module__.startswith("torch"):
+        return x.device.type == "cuda"
+    return hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")
+
+
+def _empty_like(like, shape, float32: bool = False):
+    """An uninitialised array of q's kind on q's device (torch's or CuPy's allocator)."""
+    if type(like).__module__.startswith("torch"):
+        import torch
+
+        return torch.empty(shape, dtype=torch.float32 if float32 else like.dtype, device=like.device)
+    import cupy
+
+    return cupy.empty(shape, dtype=cupy.float32 if float32 else like.dtype)
+
+
+_streams: dict[int, object] = {}
+
+
+def _stream(ptr: int):
+    """A CuPy stream object for a raw handle (cached: creating one per launch costs host time)."""
+    import cupy
+
+    stream = _streams.get(ptr)
+    if stream is None:
+        stream = cupy.cuda.ExternalStream(ptr)
+        _streams[ptr] = stream
+    return stream

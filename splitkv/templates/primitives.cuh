@@ -1,0 +1,99 @@
+// Device primitives shared by the splitkv programs: asynchronous 16-byte copies, ldmatrix,
+// the m16n8k16 tensor-core MMA for bf16 and fp16, packing and conversion, a fast exp2.
+// Plain CUDA; the programs that include this pick element types with C++ templates.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef INFINITY  // NVRTC has no <cmath>
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace splitkv {
+
+// NVRTC ships no <cstdint>; the programs only need this one fixed-width type.
+using u32 = unsigned int;
+static_assert(sizeof(u32) == 4, "u32 is 32 bits");
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global->shared copy that bypasses L1 (K/V are streamed once). src_bytes = 0 reads
+// nothing and zero-fills: rows past the end of a sequence become zeros, never stale data.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// Four 8x8 b16 matrices; lane i supplies the row address of matrix i/8, row i%8.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// 2^x on the special-function unit; 2^-inf = +0, which the online softmax relies on.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Element-type traits: conversion to/from float and the MMA whose operands are of this type.
+template <typename T> struct Elem;
+
+template <> struct Elem<__nv_bfloat16> {
+    static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<u32*>(&v);
+    }
+    // D = A(16x16, row) * B(16x8, col) + C, fp32 accumulators: d0,d1 row lane/4; d2,d3 row lane/4+8.
+    static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // Same MMA when only rows 0..7 carry data (group size <= 8): the upper accumulators are
+    // throw-away temporaries, so they never occupy registers across loop iterations.
+    static __device__ __forceinline__ void mma_rows8(float (&d)[2], u32 a0, u32 a2, u32 b0, u32 b1) {
+        asm volatile("{\n.reg .f32 hi0, hi1;\n"
+                     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,hi0,hi1}, {%2,%3,%4,%3}, {%5,%6}, {%7,%8,%9,%9};\n}\n"
+                     : "=f"(d[0]), "=f"(d[1])
+                     : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]), "f"(0.f));
+    }
+};
+
+template <> struct Elem<__half> {
+    static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        __half2 v = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<u32*>(&v);
+    }
+    static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static __device__ __forceinline__ void mma_rows8(float (&d)[2], u32 a0, u32 a2, u32 b0, u32 b1) {
+        asm volatile("{\n.reg .f32 hi0, hi1;\n"
+                     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,hi0,hi1}, {%2,%3,%4,%3}, {%5,%6}, {%7,%8,%9,%9};\n}\n"
+                     : "=f"(d[0]), "=f"(d[1])
+                     : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]), "f"(0.f));
+    }
+};
+
+}  // namespace splitkv

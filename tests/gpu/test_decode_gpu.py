@@ -1,0 +1,261 @@
+"""GPU correctness of the decode programs against a float64 reference (marker: gpu).
+
+Every case draws fresh random inputs, poisons the output with NaN before the call and checks
+every element. The reference runs in float64 on the GPU (CuPy) over the exact bf16/fp16 values
+the kernel reads, so the only error measured is the kernel's own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import splitkv  # noqa: E402
+from splitkv import DecodeAttention, KernelSpec  # noqa: E402
+from splitkv.heuristics import default_spec  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+#: bf16: 8 significant bits in P and in the output; fp16: 11.
+REL_TOL = {"bf16": 1e-2, "fp16": 3e-3}
+_SEED = int(os.environ.get("SPLITKV_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+
+
+def _rng(*key) -> np.random.Generator:
+    return np.random.default_rng([_SEED, *[zlib.crc32(str(k).encode()) for k in key]])
+
+
+# ---- random inputs as the kernel sees them ---------------------------------------------------------
+def random_values(shape, dtype: str, seed: int, scale: float = 1.0):
+    """(device array in the kernel's storage type, float64 device copy of the exact values)."""
+    gen = cupy.random.default_rng(seed)
+    x = gen.standard_normal(shape, dtype=cupy.float32) * scale
+    if dtype == "fp16":
+        stored = x.astype(cupy.float16)
+        return stored, stored.astype(cupy.float64)
+    bits = x.view(cupy.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+    stored = rounded.astype(cupy.uint16)
+    return stored, (stored.astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
+
+
+def to_float64(stored, dtype: str):
+    if dtype == "fp16":
+        return stored.astype(cupy.float64)
+    return (stored.astype(cupy.uint32) << 16).view(cupy.float32).astype(cupy.float64)
+
+
+def poisoned(shape, dtype: str):
+    """An output buffer full of NaN (bf16 NaN bits in CuPy's uint16 storage)."""
+    if dtype == "bf16":
+        return cupy.full(shape, 0x7FC0, dtype=cupy.uint16)
+    return cupy.full(shape, cupy.nan, dtype=cupy.float16)
+
+
+def reference(q64, k64, v64, lens, sm_scale):
+    """float64 attention per sequence: out [B, Hq, D], natural-log lse [B, Hq]."""
+    batch, num_qo, dim = q64.shape
+    num_kv = k64.shape[2]
+    group = num_qo // num_kv
+    out = cupy.zeros((batch, num_qo, dim), cupy.float64)
+    lse = cupy.full((batch, num_qo), -cupy.inf, cupy.float64)
+    for b, n in enumerate(lens):
+        if n == 0:
+            continue
+        qg = q64[b].reshape(num_kv, group, dim)
+        scores = cupy.einsum("hgd,lhd->hgl", qg, k64[b, :n]) * sm_scale
+        m = scores.max(axis=2, keepdims=True)
+        p = cupy.exp(scores - m)
+        total = p.sum(axis=2, keepdims=True)
+        out[b] = (cupy.einsum("hgl,lhd->hgd", p, v64[b, :n]) / total).reshape(num_qo, dim)
+        lse[b] = (m + cupy.log(total)).reshape(num_qo)
+    return out, lse
+
+
+def check_close(out, lse, ref_out, ref_lse, lens, dtype, label):
+    out64 = to_float64(out, dtype)
+    assert bool(cupy.isfinite(out64).all()), f"{label}: non-finite output (unwritten or NaN)"
+    err = out64 - ref_out
+    rel = float(cupy.linalg.norm(err) / max(float(cupy.linalg.norm(ref_out)), 1e-30))
+    # Element-wise: within the format's rounding of the element plus a share of its row's scale.
+    row_scale = cupy.abs(ref_out).max(axis=2, keepdims=True)
+    bound = REL_TOL[dtype] * (cupy.abs(ref_out) + row_scale)
+    worst = float((cupy.abs(err) - bound).max())
+    print(f"{label}: rel err {rel:.2e}")
+    assert rel < REL_TOL[dtype], f"{label}: relative error {rel:.3e}"
+    assert worst <= 0, f"{label}: an element is off by {worst:.3e} beyond its bound"
+    empty = np.flatnonzero(np.asarray(lens) == 0)
+    if empty.size:
+        assert bool((out64[empty] == 0).all()), f"{label}: empty sequence must give zeros"
+    if lse is not None:
+        lse_h, ref_h = cupy.asnumpy(lse).astype(np.float64), cupy.asnumpy(ref_lse)
+        finite = np.isfinite(ref_h)
+        assert np.array_equal(np.isneginf(lse_h), ~finite), f"{label}: lse -inf exactly for empty rows"
+        lse_err = float(np.abs(lse_h[finite] - ref_h[finite]).max()) if finite.any() else 0.0
+        assert lse_err < 1e-3 * max(1.0, float(np.abs(ref_h[finite]).max(initial=1.0))), \
+            f"{label}: lse off by {lse_err:.3e}"
+
+
+def run_case(head_dim, group, lens, *, variant=None, num_splits=None, dtype="bf16", num_kv_heads=2,
+             max_len=None, spec_changes=None, q_scale=1.0):
+    lens = [int(n) for n in lens]
+    max_len = max_len or max(max(lens), 1)
+    batch = len(lens)
+    seed = int(_rng(head_dim, group, tuple(lens), variant, dtype).integers(2**31))
+    num_qo = num_kv_heads * group
+    q, q64 = random_values((batch, num_qo, head_dim), dtype, seed, q_scale)
+    k, k64 = random_values((batch, max_len, num_kv_heads, head_dim), dtype, seed + 1)
+    v, v64 = random_values((batch, max_len, num_kv_heads, head_dim), dtype, seed + 2)
+    spec = None
+    if spec_changes:
+        spec = default_spec("sm_90", head_dim, group, dtype, dtype).replace(**spec_changes)
+    attn = DecodeAttention(num_qo, num_kv_heads, head_dim, q_dtype=dtype, kv_dtype=dtype, spec=spec)
+    plan = attn.plan(lens, variant=variant, num_splits=num_splits)
+    out = poisoned((batch, num_qo, head_dim), dtype)
+    lse = cupy.full((batch, num_qo), cupy.nan, dtype=cupy.float32)
+    attn.run(q, k, v, out=out, lse=lse)
+    ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(head_dim))
+    label = f"D={head_dim} G={group} {dtype} lens={lens[:4]}{'...' if batch > 4 else ''} {attn.plan_info}"
+    check_close(out, lse, ref_out, ref_lse, lens, dtype, label)
+    return plan
+
+
+LENGTHS = [1, 7, 129, 1000, 4096, 65536, 131072, 1000 + 77]  # the last is no multiple of any chunk
+HEAD_DIMS = [64, 96, 128, 256]
+GROUPS = [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("variant", ["dense", "split"])
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_single_sequence_lengths(head_dim, group, variant):
+    # The longest lengths cost seconds of float64 reference each: one K/V head there.
+    for n in LENGTHS:
+        if n >= 65536 and (group not in (1, 8) or head_dim not in (128, 256)):
+            continue
+        plan = run_case(head_dim, group, [n], variant=variant, num_splits=8 if n > 1000 else 3,
+                        num_kv_heads=1 if n >= 65536 else 2)
+        assert plan.variant == variant
+
+
+@pytest.mark.parametrize("variant", ["dense", "split"])
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_ragged_batches(head_dim, group, variant):
+    rng = _rng("ragged", head_dim, group, variant)
+    lens8 = [0, 1, 7, 129, 1077, 4096, int(rng.integers(1, 5000)), int(rng.integers(1, 5000))]
+    run_case(head_dim, group, lens8, variant=variant, num_splits=6)
+    lens64 = rng.integers(0, 2048, size=64)
+    lens64[:3] = [0, 1, 2047]
+    run_case(head_dim, group, lens64, variant=variant, num_splits=5, num_kv_heads=1)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+def test_planner_choice_and_extreme_logits(group):
+    # The planner's own choice, and logits of magnitude ~1e3 that overflow a naive exp.
+    run_case(128, group, [65536], num_kv_heads=8 // min(group, 8))
+    run_case(128, group, [3000, 5, 0, 4096], q_scale=300.0)
+
+
+@pytest.mark.parametrize("changes", [
+    {"fused_merge": False},
+    {"warps": 8, "tile_tokens": 16, "chunk_size": 128},
+    {"warps": 2, "tile_tokens": 64, "chunk_size": 128, "stages": 2},
+    {"warps": 4, "tile_tokens": 16, "stages": 4, "chunk_size": 64},
+    {"warps": 1, "tile_tokens": 32, "stages": 3, "chunk_size": 64},
+])
+def test_cta_shapes_and_separate_merge(changes):
+    for variant in ("dense", "split"):
+        run_case(128, 4, [1, 777, 5000, 0], variant=variant, num_splits=7, spec_changes=changes)
+
+
+def test_fp16():
+    run_case(128, 4, [1, 1500, 40000], variant="split", num_splits=9, dtype="fp16")
+    run_case(64, 8, [300, 0], variant="dense", dtype="fp16")
+
+
+def test_return_lse_and_default_path():
+    q, q64 = random_values((3, 8, 128), "bf16", 11)
+    k, k64 = random_values((3, 2000, 2, 128), "bf16", 12)
+    v, v64 = random_values((3, 2000, 2, 128), "bf16", 13)
+    lens = [2000, 1, 999]
+    out, lse = splitkv.decode(q, k, v, lens, return_lse=True)
+    ref_out, ref_lse = reference(q64, k64, v64, lens, 1 / math.sqrt(128))
+    check_close(out, lse, ref_out, ref_lse, lens, "bf16", "decode() default")
+    # seq_lens=None means every sequence is full; a device int32 array is read back to plan.
+    out_full = splitkv.decode(q, k, v)
+    ref_full, _ = reference(q64, k64, v64, [2000] * 3, 1 / math.sqrt(128))
+    check_close(out_full, None, ref_full, None, [2000] * 3, "bf16", "decode() seq_lens=None")
+    out_dev = splitkv.decode(q, k, v, cupy.asarray(lens, dtype=cupy.int32), sm_scale=0.05)
+    ref_dev, _ = reference(q64, k64, v64, lens, 0.05)
+    check_close(out_dev, None, ref_dev, None, lens, "bf16", "decode() device seq_lens, sm_scale")
+
+
+def test_cuda_graph_capture_and_replay():
+    num_kv, group, dim = 4, 4, 128
+    lens = [3000, 17, 8000, 0]
+    q, q64 = random_values((4, num_kv * group, dim), "bf16", 21)
+    k, k64 = random_values((4, 8192, num_kv, dim), "bf16", 22)
+    v, v64 = random_values((4, 8192, num_kv, dim), "bf16", 23)
+    device_lens = cupy.asarray(lens, dtype=cupy.int32)
+    attn = DecodeAttention(num_kv * group, num_kv, dim)
+    plan = attn.plan(device_lens)
+    assert plan.variant == "split"
+    out = cupy.empty((4, num_kv * group, dim), cupy.uint16)
+    lse = cupy.empty((4, num_kv * group), cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        attn.run(q, k, v, out=out, lse=lse)  # warm: nothing left to load lazily
+        stream.begin_capture()
+        attn.run(q, k, v, out=out, lse=lse)
+        graph = stream.end_capture()
+    for replay, new_lens in enumerate([lens, [2999, 8000, 1, 4000]]):
+        # New data and (within the plan) new lengths, written in place; poisoned outputs.
+        device_lens.set(np.asarray(new_lens, np.int32))
+        q[...], q64[...] = random_values(q.shape, "bf16", 30 + replay)
+        k[...], k64[...] = random_values(k.shape, "bf16", 40 + replay)
+        out[...] = poisoned(out.shape, "bf16")
+        lse.fill(cupy.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        ref_out, ref_lse = reference(q64, k64, v64, new_lens, 1 / math.sqrt(dim))
+        check_close(out, lse, ref_out, ref_lse, new_lens, "bf16", f"graph replay {replay}")
+
+
+def test_torch_tensors_and_stream():
+    torch = pytest.importorskip("torch")
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 5000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2, 5000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    lens = [5000, 1234]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out, lse = splitkv.decode(q, k, v, lens, return_lse=True)
+    side.synchronize()
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == q.shape
+    ref_out, ref_lse = reference(cupy.asarray(q.double()), cupy.asarray(k.double()), cupy.asarray(v.double()),
+                                 lens, 1 / math.sqrt(128))
+    out_bits = cupy.asarray(out.view(torch.int16)).view(cupy.uint16)
+    check_close(out_bits, cupy.asarray(lse), ref_out, ref_lse, lens, "bf16", "torch on a side stream")
+
+
+def test_bad_inputs_raise():
+    q, _ = random_values((2, 8, 128), "bf16", 1)
+    k, _ = random_values((2, 100, 2, 128), "bf16", 2)
+    with pytest.raises(ValueError, match="seq_lens"):
+        splitkv.decode(q, k, k, [101, 3])
+    with pytest.raises(ValueError, match="k"):
+        splitkv.decode(q, k[:, :, :, :64], k[:, :, :, :64], [1, 2])
+    with pytest.raises(ValueError, match="v"):
+        splitkv.decode(q, k, k[:, ::2], [1, 2])
+
+
+def test_spec_mismatch_is_refused():
+    with pytest.raises(ValueError, match="spec"):
+        DecodeAttention(8, 2, 128, spec=KernelSpec(head_dim=64, group_size=4))

@@ -1,0 +1,235 @@
+"""The float64 reference against a naive loop, and the split + merge emulator against the reference."""
+
+import math
+import os
+import secrets
+import warnings
+
+import numpy as np
+import pytest
+
+from splitkv.plan import SplitPlan, plan_splits
+from splitkv.reference import (attention_reference, emulate_split_decode, merge_partials,
+                               split_partials)
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh inputs every run; the seed is printed (shown on failure) and SPLITKV_TEST_SEED replays it.
+    seed = int(os.environ.get("SPLITKV_TEST_SEED") or secrets.randbits(63))
+    print(f"{request.node.name}: SPLITKV_TEST_SEED={seed}")
+    return np.random.default_rng(seed)
+
+
+def make_inputs(rng, lens, num_kv_heads, group, head_dim=32, max_len=None, q_gain=1.0):
+    lens = np.asarray(lens, dtype=np.int64)
+    max_len = int(lens.max()) if max_len is None else max_len
+    batch = lens.size
+    q = rng.standard_normal((batch, num_kv_heads * group, head_dim)) * q_gain
+    k = rng.standard_normal((batch, max_len, num_kv_heads, head_dim))
+    v = rng.standard_normal((batch, max_len, num_kv_heads, head_dim))
+    return q, k, v, lens
+
+
+def naive_attention(q, k, v, lens, scale):
+    batch, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[2]
+    out = np.zeros((batch, num_q_heads, head_dim))
+    lse = np.full((batch, num_q_heads), -np.inf)
+    for b in range(batch):
+        n = int(lens[b])
+        if n == 0:
+            continue
+        for h in range(num_q_heads):
+            keys = k[b, :n, h // group].astype(np.float64)
+            vals = v[b, :n, h // group].astype(np.float64)
+            logits = [scale * float(np.dot(q[b, h].astype(np.float64), keys[t])) for t in range(n)]
+            top = max(logits)
+            weights = [math.exp(x - top) for x in logits]
+            total = math.fsum(weights)
+            out[b, h] = sum(w * vals[t] for t, w in enumerate(weights)) / total
+            lse[b, h] = top + math.log(total)
+    return out, lse
+
+
+def assert_matches(out, lse, want_out, want_lse, rtol=1e-10, atol=1e-10):
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    np.testing.assert_allclose(out, want_out, rtol=rtol, atol=atol)
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=rtol, atol=atol)
+
+
+# ---- reference ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+def test_reference_matches_naive_loop(rng, group):
+    q, k, v, lens = make_inputs(rng, [0, 1, 7, 23], num_kv_heads=2, group=group, max_len=25)
+    out, lse = attention_reference(q, k, v, lens)
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    assert_matches(out, lse, *naive_attention(q, k, v, lens, 1 / math.sqrt(q.shape[-1])))
+
+
+def test_reference_scale_and_empty_sequence(rng):
+    q, k, v, lens = make_inputs(rng, [5, 0], num_kv_heads=1, group=2)
+    out, lse = attention_reference(q, k, v, lens, sm_scale=0.3)
+    assert_matches(out, lse, *naive_attention(q, k, v, lens, 0.3))
+    assert np.all(out[1] == 0) and np.all(np.isneginf(lse[1]))
+
+
+def test_reference_ignores_cache_past_the_end(rng):
+    q, k, v, lens = make_inputs(rng, [3, 9], num_kv_heads=2, group=2, max_len=12)
+    want = attention_reference(q, k, v, lens)
+    k[0, 3:] = np.nan
+    v[0, 3:] = np.nan
+    v[1, 9:] = np.inf
+    assert_matches(*attention_reference(q, k, v, lens), *want, rtol=0, atol=0)
+
+
+def test_reference_extreme_logits_are_finite(rng):
+    q, k, v, lens = make_inputs(rng, [40, 1], num_kv_heads=1, group=4, q_gain=1e3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = attention_reference(q, k, v, lens)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    assert_matches(out, lse, *naive_attention(q, k, v, lens, 1 / math.sqrt(q.shape[-1])),
+                   rtol=1e-9, atol=1e-9)
+
+
+def test_reference_accepts_half_precision_inputs(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v, lens = make_inputs(rng, [6, 11], num_kv_heads=2, group=4)
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        qd, kd, vd = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+        out, lse = attention_reference(qd, kd, vd, lens)
+        want = naive_attention(qd.astype(np.float64), kd.astype(np.float64), vd.astype(np.float64),
+                               lens, 1 / math.sqrt(q.shape[-1]))
+        assert_matches(out, lse, *want)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(q=np.zeros((2, 4))), "q"),
+    (dict(k=np.zeros((2, 8, 3, 16)), v=np.zeros((2, 8, 3, 16))), "q: 4 query heads"),
+    (dict(k=np.zeros((2, 8, 2, 8))), "k"),
+    (dict(v=np.zeros((2, 7, 2, 16))), "v"),
+    (dict(seq_lens=[1, 9]), "seq_lens"),
+    (dict(seq_lens=[1, -1]), "seq_lens"),
+    (dict(seq_lens=[1.0, 2.0]), "seq_lens"),
+    (dict(seq_lens=[1]), "seq_lens"),
+])
+def test_reference_rejects_bad_inputs(bad, match):
+    args = dict(q=np.zeros((2, 4, 16)), k=np.zeros((2, 8, 2, 16)), v=np.zeros((2, 8, 2, 16)),
+                seq_lens=[1, 8])
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        attention_reference(**args)
+
+
+# ---- split partials -----------------------------------------------------------------------------
+
+def test_split_partials_are_the_reference_over_each_range(rng):
+    tps, splits = 5, 4
+    q, k, v, lens = make_inputs(rng, [0, 1, 5, 13, 20], num_kv_heads=2, group=4)
+    partial_o, partial_lse2 = split_partials(q, k, v, lens, tps, splits)
+    assert partial_o.shape == (5, splits, 8, 32) and partial_lse2.shape == (5, splits, 8)
+    for s in range(splits):
+        lo, hi = s * tps, (s + 1) * tps
+        sub_lens = np.clip(lens - lo, 0, tps)
+        out, lse = attention_reference(q, k[:, lo:hi], v[:, lo:hi], sub_lens)
+        assert_matches(partial_o[:, s], partial_lse2[:, s] * math.log(2), out, lse)
+    # Splits past a sequence's end are empty: zeros and -inf, never NaN.
+    assert np.all(partial_o[2, 1:] == 0) and np.all(np.isneginf(partial_lse2[2, 1:]))
+
+
+def test_split_partials_rejects_a_plan_that_drops_tokens(rng):
+    q, k, v, lens = make_inputs(rng, [3, 17], num_kv_heads=1, group=1)
+    with pytest.raises(ValueError, match="num_splits"):
+        split_partials(q, k, v, lens, 4, 4)
+    with pytest.raises(ValueError, match="tokens_per_split"):
+        split_partials(q, k, v, lens, 0, 4)
+
+
+# ---- merge --------------------------------------------------------------------------------------
+
+def test_merge_of_all_empty_rows_is_zero_and_neg_inf_without_warnings(rng):
+    partial_o = rng.standard_normal((3, 4, 2, 8))
+    partial_lse2 = rng.standard_normal((3, 4, 2)) * 50
+    partial_lse2[1] = -np.inf
+    partial_lse2[2, :, 1] = -np.inf
+    partial_o[1] = np.nan  # whatever an empty split holds must not leak into the result
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = merge_partials(partial_o, partial_lse2)
+    assert np.all(out[1] == 0) and np.all(np.isneginf(lse[1]))
+    assert np.all(out[2, 1] == 0) and np.isneginf(lse[2, 1])
+    assert np.all(np.isfinite(out[0])) and np.all(np.isfinite(lse[0]))
+
+
+def test_merge_matches_direct_formula_and_honours_splits_per_seq(rng):
+    partial_o = rng.standard_normal((2, 5, 3, 4))
+    partial_lse2 = rng.standard_normal((2, 5, 3)) * 30
+    counts = np.array([2, 5], dtype=np.int32)
+    garbage = partial_o.copy()
+    garbage[0, 2:] = np.nan
+    out, lse = merge_partials(garbage, partial_lse2, counts)
+    for b, n in enumerate(counts):
+        lse_nat = partial_lse2[b, :n] * math.log(2)
+        total = np.logaddexp.reduce(lse_nat, axis=0)
+        weights = np.exp(lse_nat - total)  # [n, Hq]
+        np.testing.assert_allclose(lse[b], total, rtol=1e-12)
+        np.testing.assert_allclose(out[b], np.einsum("sh,shd->hd", weights, partial_o[b, :n]),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_merge_propagates_nan_from_a_split_that_counts(rng):
+    partial_o = rng.standard_normal((1, 3, 2, 4))
+    partial_lse2 = rng.standard_normal((1, 3, 2))
+    partial_o[0, 1, 0, 2] = np.nan
+    out, _ = merge_partials(partial_o, partial_lse2)
+    assert np.isnan(out[0, 0, 2]) and np.all(np.isfinite(out[0, 1]))
+
+
+# ---- emulator vs reference ----------------------------------------------------------------------
+
+EMULATOR_CASES = [
+    # lens, tokens_per_split, num_splits
+    ([1], 1, 1),
+    ([0], 4, 1),
+    ([0, 1, 2], 1, 2),
+    ([37], 8, 5),               # last split partial (37 is not a multiple of 8)
+    ([64, 3, 0, 17], 16, 4),
+    ([640, 1, 129], 10, 64),    # many splits
+    ([9, 9], 64, 1),            # dense: one split longer than any sequence
+    ([300, 5], 5, 64),          # sequences shorter than the grid's splits leave empty CTAs
+]
+
+
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+@pytest.mark.parametrize("lens, tps, splits", EMULATOR_CASES)
+@pytest.mark.parametrize("q_gain", [1.0, 1e3])
+def test_emulator_matches_reference(rng, group, lens, tps, splits, q_gain):
+    q, k, v, lens = make_inputs(rng, lens, num_kv_heads=2, group=group, head_dim=16, q_gain=q_gain)
+    counts = np.maximum(-(-lens // tps), 1).astype(np.int32)
+    plan = SplitPlan("split" if splits > 1 else "dense", tps, splits, counts,
+                     lens.size * 2 * splits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = emulate_split_decode(q, k, v, lens, plan)
+    want = attention_reference(q, k, v, lens)
+    if q_gain > 1:
+        # logits ~ +-1e4: the LSE carries absolute error ~1e4 * eps; softmax is near one-hot.
+        assert np.all(np.isfinite(got[0]))
+        assert_matches(*got, *want, rtol=1e-9, atol=1e-8)
+    else:
+        assert_matches(*got, *want)
+
+
+@pytest.mark.parametrize("num_sms, ctas_per_sm, chunk_size", [(8, 2, 8), (16, 1, 4), (64, 2, 16)])
+def test_emulator_runs_planner_output(rng, num_sms, ctas_per_sm, chunk_size):
+    lens = rng.integers(0, 400, size=int(rng.integers(1, 4)))
+    lens[0] = 397  # at least one sequence long enough to be worth splitting
+    q, k, v, lens = make_inputs(rng, lens, num_kv_heads=2, group=4, head_dim=16)
+    plan = plan_splits(lens, 2, chunk_size=chunk_size, num_sms=num_sms, ctas_per_sm=ctas_per_sm)
+    assert plan.variant == "split"
+    assert_matches(*emulate_split_decode(q, k, v, lens, plan, sm_scale=0.2),
+                   *attention_reference(q, k, v, lens, sm_scale=0.2))

@@ -1,0 +1,296 @@
+"""splitkv-gen: render and compile the decode kernels of one GPU architecture, without a GPU.
+
+    splitkv-gen --arch sm90 [--head-dim 64,128] [--group 1,4,8] [--dtype bf16,fp16]
+                [--emit DIR] [--list] [--jobs N]
+    splitkv-gen bench [ARGS...]          # forwarded to `python -m splitkv.bench`
+
+Heavy imports (the code generator, CuPy, the benchmark) happen inside the functions that need them,
+so that `--help`, `--list` and argument errors answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+#: Lines of the NVRTC log shown for a failed kernel; the full log is one `--emit` or source away.
+LOG_LINES = 12
+
+TUNE_UNAVAILABLE = ("splitkv-gen: autotuning (--tune) is not available in splitkv {version}; "
+                    "a later release adds it. Until then the runtime uses its built-in heuristic "
+                    "and any tuned tables shipped in splitkv/tuned_configs/.")
+
+_EPILOG = """\
+subcommands:
+  bench [ARGS...]   time decode attention against its peers; same as `python -m splitkv.bench`
+                    (see `splitkv-gen bench --help`)
+
+examples:
+  splitkv-gen --arch sm90 --list
+  splitkv-gen --arch sm90 --head-dim 128 --group 4,8 --emit build/kernels
+  splitkv-gen bench --help
+"""
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("splitkv")
+    except Exception:  # running from a source tree that was never installed
+        return "0.1.0"
+
+
+def _csv(kind):
+    """argparse type for comma-separated values of `kind`; the option may also be repeated."""
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+        try:
+            return [kind(t) for t in items]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="splitkv-gen",
+        description="Render and compile splitkv's decode kernels for one GPU architecture.\n"
+                    "NVRTC is given the target explicitly, so no GPU is needed.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--arch", help="target architecture: sm80, sm_90, 90, sm_100a, ...")
+    p.add_argument("--head-dim", dest="head_dims", type=_csv(int), action="append", metavar="D,...",
+                   help="only these head dimensions")
+    p.add_argument("--group", dest="group_sizes", type=_csv(int), action="append", metavar="G,...",
+                   help="only these GQA group sizes (query heads per K/V head)")
+    p.add_argument("--dtype", dest="kv_dtypes", type=_csv(str), action="append", metavar="T,...",
+                   help="only these K/V dtypes")
+    p.add_argument("--emit", type=Path, metavar="DIR",
+                   help="write <name>.cu and <name>.cubin of every kernel built into DIR")
+    p.add_argument("--list", action="store_true", help="list the kernel names only; compile nothing")
+    p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                   help="compile N kernels at a time (default: number of CPUs)")
+    p.add_argument("--tune", action="store_true",
+                   help="autotune and write a tuned table (not available in this version)")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    return p
+
+
+def _flatten(groups):
+    """[[64, 128], [256]] -> (64, 128, 256), first occurrence wins; None stays None (no filter)."""
+    if groups is None:
+        return None
+    seen = []
+    for group in groups:
+        for item in group:
+            if item not in seen:
+                seen.append(item)
+    return tuple(seen)
+
+
+def _check_filters(parser, arch, head_dims, group_sizes, kv_dtypes) -> str:
+    """Validate against the spec vocabulary here, so a typo is a usage error and not a traceback."""
+    from splitkv import spec
+
+    try:
+        arch = spec.parse_arch(arch)
+    except ValueError as e:
+        # spec's message starts with the field name; the user typed an option.
+        parser.error("--arch: " + str(e).removeprefix("arch: "))
+    for d in head_dims or ():
+        if d not in spec.HEAD_DIMS:
+            parser.error(f"--head-dim: {d} is not supported; choose from {list(spec.HEAD_DIMS)}")
+    for g in group_sizes or ():
+        if not 1 <= g <= spec.MAX_GROUP:
+            parser.error(f"--group: {g} is out of range; expected 1..{spec.MAX_GROUP}")
+    for t in kv_dtypes or ():
+        if t not in spec.KV_DTYPES:
+            parser.error(f"--dtype: {t!r} is not supported; choose from {list(spec.KV_DTYPES)}")
+    return arch
+
+
+class _Progress:
+    """One line per finished kernel on stderr, or a tqdm bar when tqdm is there and stderr is a
+    terminal (a bar in a log file is noise)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.done = 0
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="kernel", file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, name: str, status: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(name, refresh=False)
+            self.bar.update(1)
+            if status != "ok":
+                self.bar.write(f"{name}: {status}", file=sys.stderr)
+        else:
+            width = len(str(self.total))
+            print(f"[{self.done:>{width}}/{self.total}] {status:<6} {name}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return str(value)
+
+
+def format_table(results) -> str:
+    header = ("kernel", "registers", "spill bytes", "compile ms", "cubin bytes")
+    rows = [(r.spec.name, _fmt(r.registers), _fmt(r.spill_bytes), _fmt(r.compile_ms), _fmt(len(r.cubin)))
+            for r in results]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row):
+        # Name left-aligned, numbers right-aligned so that magnitudes line up.
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows])
+
+
+def _describe_failure(name: str, exc: BaseException, codegen) -> str:
+    lines = [f"FAILED {name}: {type(exc).__name__}"]
+    if isinstance(exc, codegen.CompileError):
+        log = (getattr(exc, "log", "") or str(exc)).strip().splitlines()
+        source_path = getattr(exc, "source_path", None)
+    else:
+        # A render error (say a template parameter Jinja could not resolve) is reported the same
+        # way, so one broken variant never hides the state of the others.
+        log = str(exc).strip().splitlines()
+        source_path = None
+    shown = log[:LOG_LINES]
+    lines += [f"    {text}" for text in shown]
+    if len(log) > len(shown):
+        lines.append(f"    ... ({len(log) - len(shown)} more lines)")
+    lines.append(f"    source: {source_path if source_path else '(not written)'}")
+    return "\n".join(lines)
+
+
+def _compile_all(specs, jobs: int, codegen):
+    """Compile every spec; return (results in spec order, failures as (name, exception))."""
+    progress = _Progress(len(specs))
+    outcomes = {}
+    try:
+        # NVRTC releases the GIL while it compiles, so threads give real parallelism and keep the
+        # results as ordinary objects (no pickling of specs or cubins between processes).
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futures = {pool.submit(codegen.compile_cubin, s): i for i, s in enumerate(specs)}
+            for fut in as_completed(futures):
+                i = futures[fut]
+                try:
+                    outcomes[i] = fut.result()
+                    progress.update(specs[i].name, "ok")
+                except Exception as e:
+                    outcomes[i] = e
+                    progress.update(specs[i].name, "FAILED")
+    finally:
+        progress.close()
+    results, failures = [], []
+    for i, spec in enumerate(specs):
+        out = outcomes[i]
+        if isinstance(out, BaseException):
+            failures.append((spec.name, out))
+        else:
+            results.append(out)
+    return results, failures
+
+
+def _emit(results, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        (directory / f"{r.spec.name}.cu").write_text(r.source)
+        (directory / f"{r.spec.name}.cubin").write_bytes(r.cubin)
+
+
+def _run_bench(args) -> int:
+    try:
+        from splitkv import bench
+    except ImportError as e:
+        print(f"splitkv-gen bench: the benchmark could not be loaded: {e}", file=sys.stderr)
+        return 2
+    rc = bench.main(list(args))
+    return 0 if rc is None else int(rc)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `bench` is dispatched before argparse: its options belong to the benchmark, and an argparse
+    # subparser would make every other invocation name a subcommand too.
+    if argv and argv[0] == "bench":
+        return _run_bench(argv[1:])
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    if args.tune:
+        print(TUNE_UNAVAILABLE.format(version=_version()), file=sys.stderr)
+        return 2
+    if args.arch is None:
+        parser.error("--arch is required (for example --arch sm90)")
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs: expected a positive number, got {args.jobs}")
+
+    head_dims = _flatten(args.head_dims)
+    group_sizes = _flatten(args.group_sizes)
+    kv_dtypes = _flatten(args.kv_dtypes)
+    arch = _check_filters(parser, args.arch, head_dims, group_sizes, kv_dtypes)
+
+    from splitkv import codegen
+
+    try:
+        specs = list(codegen.default_specs(arch, head_dims=head_dims, group_sizes=group_sizes,
+                                           kv_dtypes=kv_dtypes))
+    except ValueError as e:
+        print(f"splitkv-gen: {e}", file=sys.stderr)
+        return 2
+    if not specs:
+        print(f"splitkv-gen: no kernels match these filters for {arch}", file=sys.stderr)
+        return 1
+
+    if args.list:
+        for s in specs:
+            print(s.name)
+        return 0
+
+    jobs = args.jobs or os.cpu_count() or 1
+    print(f"compiling {len(specs)} kernels for {arch} with {min(jobs, len(specs))} jobs",
+          file=sys.stderr)
+    start = time.perf_counter()
+    results, failures = _compile_all(specs, jobs, codegen)
+    wall = time.perf_counter() - start
+
+    if results:
+        print(format_table(results))
+    if args.emit is not None and results:
+        _emit(results, args.emit)
+        print(f"wrote {2 * len(results)} files to {args.emit}", file=sys.stderr)
+    for name, exc in failures:
+        print(_describe_failure(name, exc, codegen), file=sys.stderr)
+    print(f"{len(results)} built, {len(failures)} failed in {wall:.1f} s", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""splitkv-gen, with the code generator replaced by a fake: these tests pin the command line's own
+behaviour (parsing, filters, output, files, exit codes), not the compiler's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import splitkv
+from splitkv import cli
+from splitkv.spec import KernelSpec, MergeSpec
+
+SPECS = [
+    KernelSpec(arch="sm_90", head_dim=128, group_size=4, variant="split"),
+    KernelSpec(arch="sm_90", head_dim=64, group_size=8, variant="dense"),
+    MergeSpec(arch="sm_90", head_dim=128, out_dtype="bf16"),
+]
+
+
+@dataclass
+class FakeResult:
+    spec: object
+    source: str
+    cubin: bytes
+    registers: int | None
+    spill_bytes: int | None
+    compile_ms: float
+    log: str = ""
+    source_path: Path | None = None
+
+
+class FakeCompileError(RuntimeError):
+    def __init__(self, message, log, source_path):
+        super().__init__(message)
+        self.log = log
+        self.source_path = source_path
+
+
+def fake_result(spec, i=0):
+    return FakeResult(spec=spec, source=f"// {spec.name}\n__global__ void k{i}() {{}}\n",
+                      cubin=b"\x7fELF" + bytes([i]) * (100 + i), registers=40 + i,
+                      spill_bytes=0 if i != 1 else None, compile_ms=123.456 + i)
+
+
+class FakeCodegen:
+    """Records what the CLI asked for; `fail` maps spec names to the exception to raise."""
+
+    def __init__(self, specs=SPECS):
+        self.specs = list(specs)
+        self.calls = []
+        self.compiled = []
+        self.fail = {}
+        self.before = {}
+        self.lock = threading.Lock()
+
+    def default_specs(self, arch, *, head_dims=None, group_sizes=None, kv_dtypes=None):
+        self.calls.append(dict(arch=arch, head_dims=head_dims, group_sizes=group_sizes,
+                               kv_dtypes=kv_dtypes))
+        return list(self.specs)
+
+    def compile_cubin(self, spec):
+        if spec.name in self.before:
+            self.before[spec.name]()
+        with self.lock:
+            self.compiled.append(spec.name)
+        if spec.name in self.fail:
+            raise self.fail[spec.name]
+        return fake_result(spec, self.specs.index(spec))
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fc = FakeCodegen()
+    module = types.ModuleType("splitkv.codegen")
+    module.default_specs = fc.default_specs
+    module.compile_cubin = fc.compile_cubin
+    module.CompileError = FakeCompileError
+    monkeypatch.setitem(sys.modules, "splitkv.codegen", module)
+    monkeypatch.setattr(splitkv, "codegen", module, raising=False)
+    return fc
+
+
+def run(capsys, *argv):
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def table_rows(out):
+    """Rows of the printed table keyed by kernel name (header and rule skipped)."""
+    lines = out.strip().splitlines()
+    assert lines[0].split()[0] == "kernel", out
+    return {line.split()[0]: line.split()[1:] for line in lines[2:]}
+
+
+# ---- listing and filters ----------------------------------------------------------------------
+
+def test_list_prints_names_and_compiles_nothing(fake, capsys):
+    code, out, _ = run(capsys, "--arch", "sm90", "--list")
+    assert code == 0
+    assert out.splitlines() == [s.name for s in SPECS]
+    assert fake.compiled == []
+
+
+def test_filters_are_passed_through(fake, capsys):
+    code, _, _ = run(capsys, "--arch", "sm90", "--head-dim", "64,128", "--head-dim", "256",
+                     "--group", "1,4,8", "--dtype", "bf16,fp16", "--list")
+    assert code == 0
+    assert fake.calls == [dict(arch="sm_90", head_dims=(64, 128, 256), group_sizes=(1, 4, 8),
+                               kv_dtypes=("bf16", "fp16"))]
+
+
+def test_no_filters_means_none(fake, capsys):
+    code, _, _ = run(capsys, "--arch", "sm_100a", "--list")
+    assert code == 0
+    assert fake.calls == [dict(arch="sm_100a", head_dims=None, group_sizes=None, kv_dtypes=None)]
+
+
+def test_repeated_filter_values_are_deduplicated(fake, capsys):
+    code, _, _ = run(capsys, "--arch", "90", "--group", "4,4", "--group", "8,4", "--list")
+    assert code == 0
+    assert fake.calls[0]["group_sizes"] == (4, 8)
+
+
+def test_no_matching_kernels_fails(fake, capsys):
+    fake.specs = []
+    code, _, err = run(capsys, "--arch", "sm90", "--head-dim", "96")
+    assert code == 1
+    assert "no kernels match" in err
+
+
+# ---- compiling --------------------------------------------------------------------------------
+
+def test_table_lists_every_kernel_with_its_figures(fake, capsys):
+    code, out, err = run(capsys, "--arch", "sm90", "--jobs", "1")
+    assert code == 0, err
+    header = out.splitlines()[0]
+    for column in ("registers", "spill bytes", "compile ms", "cubin bytes"):
+        assert column in header
+    rows = table_rows(out)
+    assert list(rows) == [s.name for s in SPECS]
+    for i, spec in enumerate(SPECS):
+        r = fake_result(spec, i)
+        spill = "-" if r.spill_bytes is None else str(r.spill_bytes)
+        assert rows[spec.name] == [str(r.registers), spill, f"{r.compile_ms:.1f}", str(len(r.cubin))]
+    assert sorted(fake.compiled) == sorted(s.name for s in SPECS)
+
+
+def test_progress_one_line_per_kernel(fake, capsys):
+    code, _, err = run(capsys, "--arch", "sm90", "--jobs", "1")
+    assert code == 0
+    progress = [line for line in err.splitlines() if line.startswith("[")]
+    assert len(progress) == len(SPECS)
+    assert progress[-1].startswith(f"[{len(SPECS)}/{len(SPECS)}]")
+    for spec in SPECS:
+        assert any(line.endswith(spec.name) for line in progress)
+
+
+def test_parallel_jobs_keep_spec_order(fake, capsys):
+    # The first spec waits for the other two, so completion order differs from spec order (and a
+    # CLI that compiled one kernel at a time would show up here as a timeout).
+    def wait_for_others():
+        deadline = time.monotonic() + 10
+        while len(fake.compiled) < len(SPECS) - 1:
+            assert time.monotonic() < deadline, "kernels were not compiled concurrently"
+            time.sleep(0.01)
+
+    fake.before = {SPECS[0].name: wait_for_others}
+    code, out, _ = run(capsys, "--arch", "sm90", "--jobs", "3")
+    assert code == 0
+    assert fake.compiled[-1] == SPECS[0].name
+    assert list(table_rows(out)) == [s.name for s in SPECS]
+
+
+def test_emit_writes_source_and_cubin(fake, capsys, tmp_path):
+    dest = tmp_path / "out" / "kernels"
+    code, _, _ = run(capsys, "--arch", "sm90", "--emit", str(dest))
+    assert code == 0
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        f"{s.name}{ext}" for s in SPECS for ext in (".cu", ".cubin"))
+    for i, spec in enumerate(SPECS):
+        r = fake_result(spec, i)
+        assert (dest / f"{spec.name}.cu").read_text() == r.source
+        assert (dest / f"{spec.name}.cubin").read_bytes() == r.cubin
+
+
+def test_compile_failure_is_reported_and_the_rest_still_build(fake, capsys, tmp_path):
+    bad = SPECS[1].name
+    log = "\n".join(f"kernel.cu({n}): error: line {n} of the log" for n in range(1, 31))
+    source = tmp_path / "cache" / f"{bad}.cu"
+    fake.fail = {bad: FakeCompileError("NVRTC failed", log, source)}
+    dest = tmp_path / "emit"
+    code, out, err = run(capsys, "--arch", "sm90", "--emit", str(dest))
+    assert code == 1
+    assert list(table_rows(out)) == [SPECS[0].name, SPECS[2].name]
+    assert f"FAILED {bad}" in err
+    assert "line 1 of the log" in err
+    assert f"line {cli.LOG_LINES} of the log" in err
+    assert f"line {cli.LOG_LINES + 1} of the log" not in err  # only the first lines
+    assert str(source) in err
+    assert (dest / f"{SPECS[0].name}.cubin").exists()
+    assert not (dest / f"{bad}.cubin").exists()
+    assert "2 built, 1 failed" in err
+
+
+def test_unexpected_error_in_one_kernel_is_reported_per_kernel(fake, capsys):
+    bad = SPECS[0].name
+    fake.fail = {bad: KeyError("undefined template parameter 'stages'")}
+    code, out, err = run(capsys, "--arch", "sm90")
+    assert code == 1
+    assert f"FAILED {bad}: KeyError" in err
+    assert "stages" in err
+    assert list(table_rows(out)) == [SPECS[1].name, SPECS[2].name]
+
+
+# ---- usage errors and unavailable features ----------------------------------------------------
+
+def test_tune_is_not_available_yet(fake, capsys):
+    code, out, err = run(capsys, "--arch", "sm90", "--tune")
+    assert code == 2
+    assert "not available" in err and "later release" in err
+    assert fake.calls == [] and fake.compiled == []
+
+
+@pytest.mark.parametrize("arch, expected", [
+    ("sm75", "sm_80 or newer"),
+    ("banana", "expected something like"),
+])
+def test_bad_arch_is_a_usage_error(fake, capsys, arch, expected):
+    code, _, err = run(capsys, "--arch", arch, "--list")
+    assert code == 2
+    assert "--arch" in err and expected in err
+    assert fake.calls == []
+
+
+def test_missing_arch_is_a_usage_error(fake, capsys):
+    code, _, err = run(capsys, "--list")
+    assert code == 2
+    assert "--arch is required" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--head-dim", "100"], "--head-dim: 100 is not supported"),
+    (["--head-dim", "x"], "expected comma-separated int"),
+    (["--group", "0"], "--group: 0 is out of range"),
+    (["--dtype", "fp32"], "--dtype: 'fp32' is not supported"),
+    (["--jobs", "0"], "--jobs"),
+])
+def test_bad_filter_is_a_usage_error(fake, capsys, argv, expected):
+    code, _, err = run(capsys, "--arch", "sm90", *argv)
+    assert code == 2
+    assert expected in err
+    assert fake.compiled == []
+
+
+# ---- bench subcommand, entry point, start-up cost ---------------------------------------------
+
+def test_bench_forwards_its_arguments(monkeypatch, capsys):
+    seen = []
+    bench = types.ModuleType("splitkv.bench")
+    bench.main = lambda args: seen.append(args) or 3
+    monkeypatch.setitem(sys.modules, "splitkv.bench", bench)
+    monkeypatch.setattr(splitkv, "bench", bench, raising=False)
+    code, _, _ = run(capsys, "bench", "--arch", "sm90", "--json", "x.json")
+    assert code == 3
+    assert seen == [["--arch", "sm90", "--json", "x.json"]]
+
+
+def test_help_imports_neither_codegen_nor_bench():
+    probe = ("import sys\nfrom splitkv import cli\n"
+             "try:\n    cli.main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+             "print('HEAVY', sorted(m for m in ('splitkv.codegen', 'splitkv.bench') "
+             "if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--arch" in done.stdout and "bench" in done.stdout
+    assert "HEAVY []" in done.stdout
+
+
+def test_console_script_points_at_main():
+    from importlib.metadata import PackageNotFoundError, entry_points, version
+
+    try:
+        version("splitkv")
+    except PackageNotFoundError:
+        pytest.fail("splitkv is not installed; run `pip install -e '.[cu13,test]'` first")
+    scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
+    assert scripts.get("splitkv-gen") == "splitkv.cli:main"
+
+
+def test_real_codegen_offers_what_the_cli_calls():
+    # The tests above run against a fake; this pins the fake's shape to the real module's, so the
+    # two cannot drift apart unnoticed. Nothing is rendered or compiled here.
+    import importlib
+    import inspect
+
+    codegen = importlib.import_module("splitkv.codegen")
+    params = inspect.signature(codegen.default_specs).parameters
+    for keyword in ("head_dims", "group_sizes", "kv_dtypes"):
+        assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY, keyword
+    assert callable(codegen.compile_cubin)
+    assert issubclass(codegen.CompileError, Exception)
+    err = codegen.CompileError("failed", "the log", Path("kernel.cu"))
+    assert err.log == "the log" and err.source_path == Path("kernel.cu")

@@ -273,6 +273,16 @@ def _stream(ptr: int):
 
     stream = _streams.get(ptr)
     if stream is None:
-        stream = cupy.cuda.ExternalStream(ptr)
+        stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
         _streams[ptr] = stream
     return stream
+
+
+class _StreamHandle:
+    """A raw stream handle in the CUDA stream protocol, which CuPy's Stream.from_external takes."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)

@@ -222,6 +222,7 @@ def test_cuda_graph_capture_and_replay():
         k[...], k64[...] = random_values(k.shape, "bf16", 40 + replay)
         out[...] = poisoned(out.shape, "bf16")
         lse.fill(cupy.nan)
+        cupy.cuda.Device().synchronize()  # the writes above ran on the default stream
         graph.launch(stream)
         stream.synchronize()
         ref_out, ref_lse = reference(q64, k64, v64, new_lens, 1 / math.sqrt(dim))

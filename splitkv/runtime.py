@@ -25,7 +25,7 @@ _MERGE_THREADS = 128
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:
-    """Everything run() needs, fixed at plan time."""
+    """Everything run() needs, fixed at plan time (pointers already in kernel-argument form)."""
 
     plan: SplitPlan
     spec: KernelSpec
@@ -33,10 +33,11 @@ class _Launch:
     merge_fn: object | None
     batch: int
     max_len: int  # longest planned sequence: k.shape[1] must hold it
-    seq_lens: object  # device int32 [batch] (the plan's copy, or the caller's array)
-    partial_o: object | None
-    partial_lse: object | None
-    counters: object | None
+    grid: tuple
+    seq_lens: object  # device int32 [batch] (the plan's copy, or the caller's array), kept alive here
+    workspace: tuple  # (partial_o, partial_lse, counters), None where unused, kept alive here
+    seq_lens_ptr: np.uint64
+    workspace_ptrs: tuple
 
 
 class DecodeAttention:
@@ -71,6 +72,7 @@ class DecodeAttention:
         self.dense_spec = base.replace(arch=self.arch, variant="dense")
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
+        self._validated_layout: tuple | None = None
         self._workspace: dict[str, object] = {}
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
@@ -112,8 +114,12 @@ class DecodeAttention:
         else:
             device_lens = self._buffer("seq_lens", batch, np.int32)
             device_lens.set(host_lens)
+        workspace = (partial_o, partial_lse, counters)
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, int(host_lens.max(initial=0)),
-                               device_lens, partial_o, partial_lse, counters)
+                               (plan.num_splits, self.num_kv_heads, batch), device_lens, workspace,
+                               np.uint64(device_lens.data.ptr),
+                               tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace))
+        self._validated_layout = None
         return plan
 
     @property
@@ -160,31 +166,32 @@ class DecodeAttention:
 
     # ---- running (no sync, no allocation when out/lse are given, no compile) -------------------
     def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False, stream=None):
-        """Attention of ``q`` over the planned lengths of ``k`` / ``v``; returns out (and lse)."""
+        """Attention of ``q`` over the planned lengths of ``k`` / ``v``; returns out (and lse).
+
+        Pass ``out`` (and ``lse``) to make the call allocation-free. Inputs are validated in full
+        the first time a layout (kinds, shapes, strides, dtypes, devices) is seen after plan();
+        later calls with the same layout only read the data pointers.
+        """
         launch = self._launch
         if launch is None:
             raise RuntimeError("run() before plan(): call plan(seq_lens) first")
-        qi = tensors.describe(q, "q", bf16_from_uint16=True)
-        ki = tensors.describe(k, "k", bf16_from_uint16=True)
-        vi = tensors.describe(v, "v", bf16_from_uint16=True)
         if out is None:
-            out = _empty_like(q, qi.shape)
-        oi = tensors.describe(out, "out", bf16_from_uint16=True)
+            out = _empty_like(q, tuple(q.shape))
         if return_lse and lse is None:
-            lse = _empty_like(q, qi.shape[:2], float32=True)
-        li = tensors.describe(lse, "lse") if lse is not None else None
-        shapes = tensors.check_decode_inputs(qi, ki, vi, out=oi, lse=li)
-        self._check_against_plan(shapes, launch)
+            lse = _empty_like(q, tuple(q.shape[:2]), float32=True)
+        arrays = (q, k, v, out, lse)
+        layout = tuple(_layout(x) for x in arrays)
+        if None in layout[:4] or layout != self._validated_layout:
+            self._validate(arrays)
+            self._validated_layout = None if None in layout[:4] else layout
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(_data_ptr(x)) for x in arrays)
 
-        ptr = lambda info: np.uint64(info.ptr if info is not None else 0)  # noqa: E731
-        dev_ptr = lambda arr: np.uint64(arr.data.ptr if arr is not None else 0)  # noqa: E731
         plan, spec = launch.plan, launch.spec
         with _stream(tensors.stream_ptr(q, stream)):
             launch.decode_fn(
-                (plan.num_splits, self.num_kv_heads, launch.batch), (spec.threads,),
-                (ptr(qi), ptr(ki), ptr(vi), dev_ptr(launch.seq_lens), ptr(oi), ptr(li),
-                 dev_ptr(launch.partial_o), dev_ptr(launch.partial_lse), dev_ptr(launch.counters),
-                 np.int32(shapes.max_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
+                launch.grid, (spec.threads,),
+                (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
+                 np.int32(k.shape[1]), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
                  np.float32(self.sm_scale * _LOG2E)),
                 shared_mem=spec.smem_bytes)
             if launch.merge_fn is not None:
@@ -192,10 +199,16 @@ class DecodeAttention:
                 warps = _MERGE_THREADS // 32
                 launch.merge_fn(
                     ((rows + warps - 1) // warps,), (_MERGE_THREADS,),
-                    (dev_ptr(launch.partial_o), dev_ptr(launch.partial_lse), dev_ptr(launch.seq_lens), ptr(oi),
-                     ptr(li), np.int32(launch.batch), np.int32(self.num_qo_heads), np.int32(plan.num_splits),
-                     np.int32(plan.tokens_per_split)))
+                    (*launch.workspace_ptrs[:2], launch.seq_lens_ptr, out_ptr, lse_ptr, np.int32(launch.batch),
+                     np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split)))
         return (out, lse) if return_lse else out
+
+    def _validate(self, arrays) -> None:
+        q, k, v, out, lse = arrays
+        infos = [tensors.describe(x, name, bf16_from_uint16=True) for x, name in zip(arrays[:4], "q k v out".split())]
+        lse_info = tensors.describe(lse, "lse") if lse is not None else None
+        shapes = tensors.check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info)
+        self._check_against_plan(shapes, self._launch)
 
     def _check_against_plan(self, shapes: tensors.DecodeShapes, launch: _Launch) -> None:
         expected = (launch.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim,
@@ -251,6 +264,30 @@ def _is_device(x) -> bool:
     if type(x).__module__.startswith("torch"):
         return x.device.type == "cuda"
     return hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")
+
+
+def _layout(x):
+    """What validation depends on, read cheaply from CuPy arrays and torch tensors (None otherwise:
+    such inputs are validated on every call)."""
+    if x is None:
+        return ()
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return ("torch", x.shape, x.stride(), x.dtype, x.get_device())
+    if module.startswith("cupy"):
+        return ("cupy", x.shape, x.strides, x.dtype, x.device.id)
+    return None
+
+
+def _data_ptr(x) -> int:
+    if x is None:
+        return 0
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return x.data_ptr()
+    if module.startswith("cupy"):
+        return x.data.ptr
+    return tensors.describe(x, "array").ptr
 
 
 def _empty_like(like, shape, float32: bool = False):

@@ -19,27 +19,50 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, c
                                           int batch_idx, int head, int num_qo_heads, int num_splits, int splits_used,
                                           int lane) {
     constexpr int PER_LANE = (HEAD_DIM + 31) / 32;
+    // Partial loads in flight per lane: the merge runs at the tail of the launch, so its latency
+    // is on the critical path; eight independent L2 reads hide most of it.
+    constexpr int BATCH = 8;
     const size_t split_stride = (size_t)num_qo_heads;
     const float* row_lse = partial_lse + ((size_t)batch_idx * num_splits) * split_stride + head;
     const float* row_o = partial_o + (((size_t)batch_idx * num_splits) * split_stride + head) * HEAD_DIM;
 
+    // Lanes over splits: the row's max and sum of weights.
     float m = -INFINITY;
     for (int i = lane; i < splits_used; i += 32) m = fmaxf(m, __ldcg(row_lse + i * split_stride));
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float total = 0.f;
+    if (m != -INFINITY)
+        for (int i = lane; i < splits_used; i += 32) total += exp2_approx(__ldcg(row_lse + i * split_stride) - m);
+    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
 
+    // Lanes over head_dim: sum of weighted partials, 32 splits' weights at a time from the lanes.
     float acc[PER_LANE];
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.f;
-    float total = 0.f;
     if (m != -INFINITY) {
-        for (int i = 0; i < splits_used; ++i) {
-            const float w = exp2_approx(__ldcg(row_lse + i * split_stride) - m);
-            total += w;
-            const float* o = row_o + (size_t)i * split_stride * HEAD_DIM;
+        for (int base = 0; base < splits_used; base += 32) {
+            const int mine = base + lane;
+            const float w_lane = mine < splits_used ? exp2_approx(__ldcg(row_lse + mine * split_stride) - m) : 0.f;
+            const int count = min(32, splits_used - base);
+            for (int first = 0; first < count; first += BATCH) {
+                float part[BATCH][PER_LANE];
 #pragma unroll
-            for (int j = 0; j < PER_LANE; ++j) {
-                const int d = lane + 32 * j;
-                if (d < HEAD_DIM) acc[j] += w * __ldcg(o + d);
+                for (int u = 0; u < BATCH; ++u) {
+                    const float* o = row_o + (size_t)(base + min(first + u, count - 1)) * split_stride * HEAD_DIM;
+#pragma unroll
+                    for (int j = 0; j < PER_LANE; ++j) {
+                        const int d = lane + 32 * j;
+                        part[u][j] = d < HEAD_DIM ? __ldcg(o + d) : 0.f;
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < BATCH; ++u) {
+                    const float w = __shfl_sync(0xffffffffu, w_lane, (first + u) & 31);
+                    if (first + u < count) {
+#pragma unroll
+                        for (int j = 0; j < PER_LANE; ++j) acc[j] += w * part[u][j];
+                    }
+                }
             }
         }
     }

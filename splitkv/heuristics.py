@@ -29,8 +29,10 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     """
     tile = 16 if head_dim > 128 else 32
     warps = 4
+    cluster = 16 if variant == "split" and arch_number(arch) >= 90 else 1
     return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                      variant=variant, chunk_size=warps * tile, warps=warps, tile_tokens=tile, stages=2)
+                      variant=variant, chunk_size=warps * tile, warps=warps, tile_tokens=tile, stages=2,
+                      cluster=cluster)
 
 
 def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:

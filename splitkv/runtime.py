@@ -69,7 +69,7 @@ class DecodeAttention:
             raise ValueError(f"spec: {base.name} does not match head_dim={head_dim}, group={self.group_size}, "
                              f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
         self.split_spec = base.replace(arch=self.arch, variant="split")
-        self.dense_spec = base.replace(arch=self.arch, variant="dense")
+        self.dense_spec = base.replace(arch=self.arch, variant="dense", cluster=1)
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
@@ -97,12 +97,18 @@ class DecodeAttention:
         else:
             plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
-        spec = self.split_spec if plan.variant == "split" else self.dense_spec
+        spec = self.dense_spec
+        if plan.variant == "split":
+            plan, cluster = self._fit_clusters(plan, host_lens)
+            spec = self.split_spec.replace(cluster=cluster)
+        # The grid holds whole clusters; CTAs past a row's last split join their cluster's merge.
+        grid_splits = -(-plan.num_splits // spec.cluster) * spec.cluster
+        num_slots = grid_splits // spec.cluster
         decode_fn, _ = load_kernel(spec)
         merge_fn = None
         partial_o = partial_lse = counters = None
         if plan.variant == "split":
-            rows = batch * plan.num_splits * self.num_qo_heads
+            rows = batch * num_slots * self.num_qo_heads
             partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._buffer("partial_lse", rows, np.float32)
             if spec.fused_merge:
@@ -116,11 +122,23 @@ class DecodeAttention:
             device_lens.set(host_lens)
         workspace = (partial_o, partial_lse, counters)
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, int(host_lens.max(initial=0)),
-                               (plan.num_splits, self.num_kv_heads, batch), device_lens, workspace,
+                               (grid_splits, self.num_kv_heads, batch), device_lens, workspace,
                                np.uint64(device_lens.data.ptr),
                                tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace))
         self._validated_layout = None
         return plan
+
+    def _fit_clusters(self, plan: SplitPlan, host_lens: np.ndarray) -> tuple[SplitPlan, int]:
+        """The cluster size for a split plan: the largest power of two up to the spec's ``cluster``
+        that the split count fills. A larger split count that is no multiple of it is rounded down
+        to one, so that no cluster of the longest rows runs with idle members."""
+        cluster = 1
+        while cluster * 2 <= min(self.split_spec.cluster, plan.num_splits):
+            cluster *= 2
+        if plan.num_splits % cluster:
+            plan = fixed_plan(host_lens, self.num_kv_heads, variant="split", chunk_size=self.split_spec.chunk_size,
+                              num_splits=plan.num_splits // cluster * cluster)
+        return plan, cluster
 
     @property
     def plan_info(self) -> str:
@@ -200,7 +218,8 @@ class DecodeAttention:
                 launch.merge_fn(
                     ((rows + warps - 1) // warps,), (_MERGE_THREADS,),
                     (*launch.workspace_ptrs[:2], launch.seq_lens_ptr, out_ptr, lse_ptr, np.int32(launch.batch),
-                     np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split)))
+                     np.int32(self.num_qo_heads), np.int32(launch.grid[0] // spec.cluster),
+                     np.int32(plan.tokens_per_split * spec.cluster)))
         return (out, lse) if return_lse else out
 
     def _validate(self, arrays) -> None:

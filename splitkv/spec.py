@@ -28,6 +28,9 @@ VARIANTS = ("dense", "split")
 WARPS = (1, 2, 4, 8)
 TILE_TOKENS = (16, 32, 64)
 STAGES = (2, 3, 4)
+#: Thread-block cluster sizes for the split variant's merge through distributed shared memory
+#: (1: no cluster). 16 is beyond the portable limit of 8 and is allowed per kernel at load time.
+CLUSTERS = (1, 2, 4, 8, 16)
 
 #: Shared memory a CTA may use on sm_80+ after opting in (227 KB on sm_90; 163 KB on sm_80).
 MAX_SMEM_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
@@ -65,6 +68,8 @@ class KernelSpec:
     through a ``stages``-deep cp.async ring in shared memory, with its own online-softmax state; the
     warps of a CTA combine their states once at the end. ``chunk_size`` is the split granularity:
     the planner gives every split a whole number of chunks, so a split never starts mid-tile.
+    ``cluster`` consecutive splits of a row run as one thread-block cluster (split variant only) and
+    merge their partial results through distributed shared memory, without a trip to global memory.
     """
 
     arch: str = "sm_90"
@@ -78,6 +83,7 @@ class KernelSpec:
     tile_tokens: int = 32
     stages: int = 2
     fused_merge: bool = True
+    cluster: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
@@ -95,6 +101,9 @@ class KernelSpec:
         if self.chunk_size % self.tile_tokens:
             raise ValueError(
                 f"chunk_size: {self.chunk_size} is not a multiple of tile_tokens={self.tile_tokens}")
+        _check_choice("cluster", self.cluster, CLUSTERS)
+        if self.variant == "dense" and self.cluster != 1:
+            raise ValueError("cluster: the dense program has no splits to merge; use cluster=1")
         if not isinstance(self.fused_merge, bool):
             raise TypeError(f"fused_merge: expected a bool, got {self.fused_merge!r}")
         limit = MAX_SMEM_BYTES.get(arch_number(self.arch), MAX_SMEM_BYTES[90])
@@ -124,13 +133,15 @@ class KernelSpec:
         """Dynamic shared memory: the per-warp K/V rings (reused for the CTA's final combine)."""
         row = (self.head_dim + SMEM_ROW_PAD) * KV_DTYPE_BITS[self.kv_dtype] // 8
         ring = self.warps * self.stages * self.tile_tokens * row * 2
-        combine = (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16) * 4
+        combine = (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16 + (self.cluster + 1) * 16) * 4
         return max(ring, combine)
 
     @property
     def name(self) -> str:
-        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-fm'."""
-        merge = "-fm" if (self.variant == "split" and self.fused_merge) else ""
+        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm'."""
+        merge = ""
+        if self.variant == "split":
+            merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}")
 

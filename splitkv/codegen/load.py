@@ -10,6 +10,9 @@ from .render import kernel_name
 
 #: Above this a kernel must opt in to more dynamic shared memory.
 _DEFAULT_SMEM_LIMIT = 48 * 1024
+#: Clusters larger than this need the kernel's opt-in (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED).
+_PORTABLE_CLUSTER = 8
+_NON_PORTABLE_CLUSTER_ATTRIBUTE = 14
 
 _loaded: dict[tuple, tuple] = {}
 _lock = threading.Lock()
@@ -30,6 +33,10 @@ def load_kernel(spec: KernelSpec | MergeSpec):
     smem = getattr(spec, "smem_bytes", 0)
     if smem > _DEFAULT_SMEM_LIMIT:
         function.max_dynamic_shared_size_bytes = smem
+    if getattr(spec, "cluster", 1) > _PORTABLE_CLUSTER:
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(function.ptr, _NON_PORTABLE_CLUSTER_ATTRIBUTE, 1)
     with _lock:
         _loaded[key] = (function, result)
     return function, result

@@ -39,6 +39,24 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
+// Thread-block clusters (sm_90+): rank in the cluster, a full-cluster barrier that orders shared
+// memory writes before it with reads after it, and loads from a partner CTA's shared memory.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ float load_from_cluster_rank(const float* local, unsigned rank) {
+    unsigned remote;
+    float value;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(value) : "r"(remote) : "memory");
+    return value;
+}
+
 // 2^x on the special-function unit; 2^-inf = +0, which the online softmax relies on.
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;

@@ -164,15 +164,21 @@ def test_planner_choice_and_extreme_logits(group):
 
 
 @pytest.mark.parametrize("changes", [
-    {"fused_merge": False},
+    {"fused_merge": False, "cluster": 1},
+    {"fused_merge": False, "cluster": 4},
+    {"cluster": 1},
+    {"cluster": 2},
+    {"cluster": 8},
     {"warps": 8, "tile_tokens": 16, "chunk_size": 128},
     {"warps": 2, "tile_tokens": 64, "chunk_size": 128, "stages": 2},
     {"warps": 4, "tile_tokens": 16, "stages": 4, "chunk_size": 64},
     {"warps": 1, "tile_tokens": 32, "stages": 3, "chunk_size": 64},
 ])
-def test_cta_shapes_and_separate_merge(changes):
-    for variant in ("dense", "split"):
-        run_case(128, 4, [1, 777, 5000, 0], variant=variant, num_splits=7, spec_changes=changes)
+def test_cta_shapes_clusters_and_separate_merge(changes):
+    # 8 and 16 splits: one cluster per row, or rows spanning several clusters merged through
+    # global memory (cluster 1, 2, 4 and 8 of 16 splits).
+    for variant, splits in (("dense", None), ("split", 8), ("split", 16)):
+        run_case(128, 4, [1, 777, 5000, 0], variant=variant, num_splits=splits, spec_changes=changes)
 
 
 def test_fp16():

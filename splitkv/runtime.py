@@ -73,6 +73,7 @@ class DecodeAttention:
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
+        self._cluster_fit: dict[int, int | None] = {}
         self._workspace: dict[str, object] = {}
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
@@ -99,16 +100,13 @@ class DecodeAttention:
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
         spec = self.dense_spec
         if plan.variant == "split":
-            plan, cluster = self._fit_clusters(plan, host_lens)
-            spec = self.split_spec.replace(cluster=cluster)
-        # The grid holds whole clusters; CTAs past a row's last split join their cluster's merge.
-        grid_splits = -(-plan.num_splits // spec.cluster) * spec.cluster
-        num_slots = grid_splits // spec.cluster
+            spec = self.split_spec.replace(cluster=self._fit_cluster(plan.num_splits, batch))
+        grid_splits = plan.num_splits
         decode_fn, _ = load_kernel(spec)
         merge_fn = None
         partial_o = partial_lse = counters = None
         if plan.variant == "split":
-            rows = batch * num_slots * self.num_qo_heads
+            rows = batch * grid_splits * self.num_qo_heads
             partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._buffer("partial_lse", rows, np.float32)
             if spec.fused_merge:
@@ -128,17 +126,24 @@ class DecodeAttention:
         self._validated_layout = None
         return plan
 
-    def _fit_clusters(self, plan: SplitPlan, host_lens: np.ndarray) -> tuple[SplitPlan, int]:
-        """The cluster size for a split plan: the largest power of two up to the spec's ``cluster``
-        that the split count fills. A larger split count that is no multiple of it is rounded down
-        to one, so that no cluster of the longest rows runs with idle members."""
-        cluster = 1
-        while cluster * 2 <= min(self.split_spec.cluster, plan.num_splits):
-            cluster *= 2
-        if plan.num_splits % cluster:
-            plan = fixed_plan(host_lens, self.num_kv_heads, variant="split", chunk_size=self.split_spec.chunk_size,
-                              num_splits=plan.num_splits // cluster * cluster)
-        return plan, cluster
+    def _fit_cluster(self, splits: int, batch: int) -> int:
+        """The cluster size for a split plan: the split count itself, when it is a power of two up to
+        the spec's ``cluster`` and every row's cluster is resident at once (a cluster needs its CTAs in
+        one GPC, which can leave SMs idle); otherwise 1, and partials merge through global memory."""
+        if splits < 2 or splits > self.split_spec.cluster or splits & (splits - 1):
+            return 1
+        fits = self._max_active_clusters(splits)
+        return splits if fits is not None and batch * self.num_kv_heads <= fits else 1
+
+    def _max_active_clusters(self, cluster: int) -> int | None:
+        from .codegen.load import load_kernel
+        from .codegen.occupancy import max_active_clusters
+
+        if cluster not in self._cluster_fit:
+            spec = self.split_spec.replace(cluster=cluster)
+            function, _ = load_kernel(spec)
+            self._cluster_fit[cluster] = max_active_clusters(function, cluster, spec.threads, spec.smem_bytes)
+        return self._cluster_fit[cluster]
 
     @property
     def plan_info(self) -> str:
@@ -218,8 +223,7 @@ class DecodeAttention:
                 launch.merge_fn(
                     ((rows + warps - 1) // warps,), (_MERGE_THREADS,),
                     (*launch.workspace_ptrs[:2], launch.seq_lens_ptr, out_ptr, lse_ptr, np.int32(launch.batch),
-                     np.int32(self.num_qo_heads), np.int32(launch.grid[0] // spec.cluster),
-                     np.int32(plan.tokens_per_split * spec.cluster)))
+                     np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split)))
         return (out, lse) if return_lse else out
 
     def _validate(self, arrays) -> None:

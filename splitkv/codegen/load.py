@@ -36,7 +36,7 @@ def load_kernel(spec: KernelSpec | MergeSpec):
     if getattr(spec, "cluster", 1) > _PORTABLE_CLUSTER:
         from cupy_backends.cuda.api import driver
 
-        driver.funcSetAttribute(function.ptr, _NON_PORTABLE_CLUSTER_ATTRIBUTE, 1)
+        driver.funcSetAttribute(function.kernel.ptr, _NON_PORTABLE_CLUSTER_ATTRIBUTE, 1)
     with _lock:
         _loaded[key] = (function, result)
     return function, result

@@ -181,6 +181,20 @@ def test_cta_shapes_clusters_and_separate_merge(changes):
         run_case(128, 4, [1, 777, 5000, 0], variant=variant, num_splits=splits, spec_changes=changes)
 
 
+def test_cluster_merge_is_used_where_it_fits():
+    # 8 splits of 2 rows: two clusters of 8, resident at once on any sm_90 part.
+    attn_probe = run_case(128, 4, [3000, 1500], variant="split", num_splits=8)
+    assert attn_probe.num_splits == 8
+    attn = DecodeAttention(8, 2, 128)
+    attn.plan([3000, 1500], variant="split", num_splits=8)
+    assert attn._launch.spec.cluster == 8, attn.plan_info
+    # 16 rows of 16 splits cannot all be resident with one CTA per SM: global merge instead.
+    attn.plan([4096] * 8, variant="split", num_splits=16)
+    fits = attn._max_active_clusters(16)
+    print(f"clusters of 16 resident at once: {fits}")
+    assert attn._launch.spec.cluster == (16 if fits is not None and fits >= 16 else 1)
+
+
 def test_fp16():
     run_case(128, 4, [1, 1500, 40000], variant="split", num_splits=9, dtype="fp16")
     run_case(64, 8, [300, 0], variant="dense", dtype="fp16")

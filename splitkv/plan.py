@@ -27,6 +27,10 @@ MERGE_COST_TOKENS_PER_SPLIT = 16
 #: Upper bound on the grid, in waves of resident CTAs: more splits only add partials to merge.
 MAX_WAVES = 2
 
+#: Largest K/V bytes per split for which `fit_clusters` trades splits for a cluster merge; a
+#: tuning knob, set from measurements on an H200.
+CLUSTER_SPLIT_BYTES = 256 * 1024
+
 
 @dataclass(frozen=True)
 class SplitPlan:
@@ -110,6 +114,45 @@ def fixed_plan(seq_lens, num_kv_heads, *, variant, chunk_size, num_splits=None):
     splits_per_seq = np.maximum(_ceil_div(lens, tokens_per_split), 1)
     num_splits = int(splits_per_seq.max())
     return SplitPlan("split", tokens_per_split, num_splits, splits_per_seq, lens.size * num_kv_heads * num_splits)
+
+
+def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resident_clusters,
+                 kv_bytes_per_token, may_resplit=True, max_split_bytes=CLUSTER_SPLIT_BYTES):
+    """The thread-block cluster size for a split plan, and the plan (possibly with fewer splits).
+
+    A row's splits merge through distributed shared memory when they form one cluster: the split
+    count is a power of two up to ``max_cluster`` and every row's cluster is resident at once
+    (``resident_clusters(c)`` gives how many clusters of ``c`` CTAs the GPU holds, None when it
+    cannot say; clusters need their CTAs in one GPC, which can leave SMs idle). Otherwise the
+    cluster size is 1 and partials merge through global memory, which costs a fixed tail of
+    about 2 µs on an H200 (written, fenced, counted, read back). Where each split streams little
+    (at most ``max_split_bytes`` of K/V), fewer and longer splits in one cluster cost less than
+    that tail, so with ``may_resplit`` the largest power-of-two split count that fits is taken
+    instead (H200, B=1, 8 K/V heads, 4k tokens: 8 splits stream as fast as 16).
+    """
+    rows = np.asarray(seq_lens).size * num_kv_heads
+
+    def fits(splits):
+        if splits < 2 or splits > max_cluster or splits & (splits - 1):
+            return False
+        resident = resident_clusters(splits)
+        return resident is not None and rows <= resident
+
+    if plan.variant != "split":
+        return plan, 1
+    if fits(plan.num_splits):
+        return plan, plan.num_splits
+    if not may_resplit:
+        return plan, 1
+    splits = 1 << (min(plan.num_splits, max_cluster).bit_length() - 1)
+    while splits >= 2 and not fits(splits):
+        splits //= 2
+    if splits < 2:
+        return plan, 1
+    candidate = fixed_plan(seq_lens, num_kv_heads, variant="split", chunk_size=chunk_size, num_splits=splits)
+    if candidate.num_splits != splits or candidate.tokens_per_split * kv_bytes_per_token > max_split_bytes:
+        return plan, 1
+    return candidate, splits
 
 
 def describe(plan: SplitPlan) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import tensors
 from .heuristics import default_spec, resident_ctas_per_sm
-from .plan import SplitPlan, fixed_plan, plan_splits
+from .plan import SplitPlan, fit_clusters, fixed_plan, plan_splits
 from .spec import KernelSpec, MergeSpec
 
 _LOG2E = 1.4426950408889634
@@ -100,7 +100,12 @@ class DecodeAttention:
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
         spec = self.dense_spec
         if plan.variant == "split":
-            spec = self.split_spec.replace(cluster=self._fit_cluster(plan.num_splits, batch))
+            plan, cluster = fit_clusters(plan, host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
+                                         max_cluster=self.split_spec.cluster,
+                                         resident_clusters=self._max_active_clusters,
+                                         kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
+                                         may_resplit=variant is None)
+            spec = self.split_spec.replace(cluster=cluster)
         grid_splits = plan.num_splits
         decode_fn, _ = load_kernel(spec)
         merge_fn = None
@@ -126,16 +131,8 @@ class DecodeAttention:
         self._validated_layout = None
         return plan
 
-    def _fit_cluster(self, splits: int, batch: int) -> int:
-        """The cluster size for a split plan: the split count itself, when it is a power of two up to
-        the spec's ``cluster`` and every row's cluster is resident at once (a cluster needs its CTAs in
-        one GPC, which can leave SMs idle); otherwise 1, and partials merge through global memory."""
-        if splits < 2 or splits > self.split_spec.cluster or splits & (splits - 1):
-            return 1
-        fits = self._max_active_clusters(splits)
-        return splits if fits is not None and batch * self.num_kv_heads <= fits else 1
-
     def _max_active_clusters(self, cluster: int) -> int | None:
+        """Clusters of ``cluster`` split CTAs resident at once on this GPU (None: unknown)."""
         from .codegen.load import load_kernel
         from .codegen.occupancy import max_active_clusters
 

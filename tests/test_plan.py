@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitkv.plan import SplitPlan, describe, plan_splits
+from splitkv.plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
 # Short batches of short sequences on a small GPU reach the split path far more often.
@@ -142,3 +142,58 @@ def test_bad_arguments_name_themselves(arg, bad):
 def test_plan_rejects_unknown_variant():
     with pytest.raises(ValueError, match="variant"):
         SplitPlan("fused", 64, 1, np.ones(1, np.int32), 1)
+
+
+# ---- fit_clusters: cluster size and re-splitting, against a fake occupancy table -----------------
+
+#: Resident clusters of each size on an H200 with one CTA per SM (as the driver reported).
+_H200_ONE_CTA_PER_SM = {2: 66, 4: 30, 8: 15, 16: 7}
+
+
+def _fit(lens, heads, splits, *, resident=_H200_ONE_CTA_PER_SM.get, may_resplit=True, bytes_per_token=512):
+    plan = fixed_plan(lens, heads, variant="split", chunk_size=128, num_splits=splits)
+    return plan, fit_clusters(plan, lens, heads, chunk_size=128, max_cluster=16, resident_clusters=resident,
+                              kv_bytes_per_token=bytes_per_token, may_resplit=may_resplit)
+
+
+def test_cluster_when_the_split_count_fits():
+    plan, (chosen, cluster) = _fit([1024], 8, 8)
+    assert cluster == 8 and chosen == plan
+
+
+def test_no_cluster_when_clusters_are_not_all_resident_and_splits_are_long():
+    # 8 rows of 16 splits: only 7 clusters of 16 are resident; 8 splits of 8192 tokens stream too long.
+    plan, (chosen, cluster) = _fit([65536], 8, 16)
+    assert cluster == 1 and chosen == plan
+
+
+def test_short_splits_are_traded_for_a_cluster():
+    plan, (chosen, cluster) = _fit([4096], 8, 16)
+    assert plan.num_splits == 16
+    assert cluster == 8 and chosen.num_splits == 8 and chosen.tokens_per_split == 512
+
+
+def test_forced_plans_are_not_resplit():
+    plan, (chosen, cluster) = _fit([4096], 8, 16, may_resplit=False)
+    assert cluster == 1 and chosen == plan
+
+
+def test_unknown_occupancy_means_no_cluster():
+    plan, (chosen, cluster) = _fit([1024], 8, 8, resident=lambda c: None)
+    assert cluster == 1 and chosen == plan
+
+
+def test_non_power_of_two_split_counts():
+    # 6 splits become 4 of 768 tokens: 192 KiB each at 256 bytes per token, under the limit...
+    plan, (chosen, cluster) = _fit([3000], 2, 6, bytes_per_token=256)
+    assert plan.num_splits == 6
+    assert cluster == 4 and chosen.num_splits == 4
+    # ...but 384 KiB at 512 bytes per token: the six splits stay, merged through global memory.
+    plan, (chosen, cluster) = _fit([3000], 2, 6, bytes_per_token=512)
+    assert cluster == 1 and chosen == plan
+
+
+def test_dense_plans_have_no_cluster():
+    plan = fixed_plan([100, 50], 2, variant="dense", chunk_size=128)
+    assert fit_clusters(plan, [100, 50], 2, chunk_size=128, max_cluster=16, resident_clusters=lambda c: 99,
+                        kv_bytes_per_token=512) == (plan, 1)

@@ -160,6 +160,7 @@ def test_ragged_batches(head_dim, group, variant):
 def test_planner_choice_and_extreme_logits(group):
     # The planner's own choice, and logits of magnitude ~1e3 that overflow a naive exp.
     run_case(128, group, [65536], num_kv_heads=8 // min(group, 8))
+    run_case(128, group, [4096], num_kv_heads=8 // min(group, 8))  # short splits: a cluster merge
     run_case(128, group, [3000, 5, 0, 4096], q_scale=300.0)
 
 

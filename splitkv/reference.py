@@ -15,6 +15,8 @@ import math
 
 import numpy as np
 
+from .plan import _positive_int
+
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 
@@ -182,7 +184,3 @@ def _as_f64(name, x, rank):
     return arr.astype(np.float64)
 
 
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)

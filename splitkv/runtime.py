@@ -118,7 +118,7 @@ class DecodeAttention:
                 counters = self._buffer("counters", batch * self.num_kv_heads, np.int32, zero=True)
             else:
                 merge_fn, _ = load_kernel(self.merge_spec)
-        if _is_device(seq_lens):  # the caller's array: lengths it rewrites in place reach graph replays
+        if tensors.is_device_array(seq_lens):  # the caller's array: lengths it rewrites in place reach graph replays
             device_lens = tensors.to_cupy(seq_lens)
         else:
             device_lens = self._buffer("seq_lens", batch, np.int32)
@@ -153,24 +153,15 @@ class DecodeAttention:
     def _host_lengths(self, seq_lens, max_len) -> np.ndarray:
         if seq_lens is None:
             raise ValueError("seq_lens: plan() needs the lengths (host ints or a device int32 array)")
-        if _is_device(seq_lens):
+        if tensors.is_device_array(seq_lens):
             info = tensors.describe(seq_lens, "seq_lens")
-            if info.dtype != "int32" or len(info.shape) != 1:
-                raise TypeError(f"seq_lens: expected a 1-D int32 device array, got {info.dtype} {info.shape}")
-            host = np.asarray(tensors.to_cupy(seq_lens).get(), dtype=np.int32)  # the one sync of plan()
-        else:
-            host = np.asarray(seq_lens)
-            if host.ndim != 1 or (host.size and not np.issubdtype(host.dtype, np.integer)):
-                raise ValueError(f"seq_lens: expected a 1-D sequence of integer lengths, got {seq_lens!r:.80}")
-            host = host.astype(np.int64)
-        if host.size == 0:
-            raise ValueError("seq_lens: the batch is empty")
+            tensors.check_seq_lens(info, info.shape[0] if info.ndim == 1 else -1, 0)  # int32, 1-D
+            seq_lens = tensors.to_cupy(seq_lens).get()  # the one synchronisation of plan()
+        host = np.asarray(seq_lens)
+        if host.ndim != 1 or host.size == 0:
+            raise ValueError(f"seq_lens: expected a non-empty 1-D sequence of lengths, got shape {host.shape}")
         limit = int(host.max()) if max_len is None else int(max_len)
-        bad = np.flatnonzero((host < 0) | (host > limit))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"seq_lens[{i}] = {int(host[i])} is outside 0..{limit}")
-        return host.astype(np.int32)
+        return tensors.check_seq_lens(host, host.size, limit)
 
     def _buffer(self, name: str, size: int, dtype, zero: bool = False):
         """A workspace array of at least ``size`` elements, reused across plans while it fits."""
@@ -263,7 +254,7 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
     shapes = tensors.check_decode_inputs(qi, ki, vi)
     if seq_lens is None:
         seq_lens = np.full(shapes.batch, shapes.max_len, dtype=np.int32)
-    elif not _is_device(seq_lens):
+    elif not tensors.is_device_array(seq_lens):
         tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
     key = (qi.device, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim, shapes.q_dtype,
            shapes.kv_dtype, sm_scale)
@@ -278,14 +269,6 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def _is_device(x) -> bool:
-    if x is None or isinstance(x, (list, tuple, np.ndarray)):
-        return False
-    if type(x).__module__.startswith("torch"):
-        return x.device.type == "cuda"
-    return hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")
-
-
 def _layout(x):
     """What validation depends on, read cheaply from CuPy arrays and torch tensors (None otherwise:
     such inputs are validated on every call)."""

@@ -443,13 +443,14 @@ def check_seq_lens(seq_lens: Any, batch: int, max_len: int) -> np.ndarray | None
     """
     if seq_lens is None:
         return np.full(batch, max_len, dtype=np.int32)
-    if isinstance(seq_lens, TensorInfo) or _is_device_array(seq_lens):
+    if isinstance(seq_lens, TensorInfo) or is_device_array(seq_lens):
         _check_device_seq_lens(describe(seq_lens, "seq_lens"), batch)
         return None
     return _check_host_seq_lens(seq_lens, batch, max_len)
 
 
-def _is_device_array(x: Any) -> bool:
+def is_device_array(x: Any) -> bool:
+    """True for arrays in device memory (CuPy, torch CUDA, CUDA array interface, CUDA DLPack)."""
     if _is_torch(x):
         return getattr(x, "device", None) is not None and x.device.type == "cuda"
     if isinstance(x, np.ndarray):

@@ -1,0 +1,102 @@
+"""Ablations of the decode program: where does the time go inside one launch?
+
+Times the decode program as rendered, then with one part removed at a time (the rendered source
+is patched before compiling), under the benchmark's protocol. The difference between two rows is
+the time that part costs on the critical path. The patched programs compute wrong results by
+design; they are only timed, never used.
+
+    python bench/ablate.py                      # B=1, 32/8, D=128 at 1k, 4k and 64k
+    python bench/ablate.py --shapes 1:32:8:128:16k --splits 16
+
+Needs a GPU and CuPy; results print as a table (see BENCHMARKS.md for a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from splitkv import DecodeAttention
+from splitkv.bench import Harness, parse_shapes
+from splitkv.codegen.compile import cuda_include_dirs
+from splitkv.codegen.render import DECODE_KERNEL, render
+from splitkv.floor import ReadFloor
+
+
+def _cut(source: str, start: str, stop: str) -> str:
+    a, b = source.index(start), source.index(stop)
+    return source[:a] + source[b:]
+
+
+def _swap(old: str, new: str):
+    def patch(source: str) -> str:
+        if old not in source:
+            raise ValueError(f"ablation anchor not found in the rendered source: {old!r}")
+        return source.replace(old, new)
+    return patch
+
+
+#: name -> source patch. Each removes one part of the program from the critical path.
+ABLATIONS = {
+    "no length read (length = L)": _swap("min(seq_lens[batch_idx], max_len)", "max_len"),
+    "no Q loads": _swap("        if (row >= GROUP) return 0u;\n", "        return 0x3f803f80u;\n"),
+    "no global merge tail": _swap("    if (!FUSED_MERGE) return;\n", "    return;\n"),
+    "stream-only (no math)": lambda s: _cut(s, "        // S = Q K^T", "        __syncwarp();  // every lane has read this stage"),
+}
+
+
+def patched_kernel(spec, patch):
+    import cupy
+
+    source = patch(render(spec))
+    templates = os.path.join(os.path.dirname(__import__("splitkv").__file__), "templates")
+    options = ("--std=c++17", f"-I{templates}", *(f"-I{d}" for d in cuda_include_dirs()))
+    function = cupy.RawModule(code=source, options=options, backend="nvrtc").get_function(DECODE_KERNEL)
+    function.max_dynamic_shared_size_bytes = spec.smem_bytes
+    return function
+
+
+def main(argv=None) -> int:
+    import cupy
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:4k", "1:32:8:128:64k"])
+    parser.add_argument("--splits", type=int, default=None, help="force this split count (default: the planner's)")
+    parser.add_argument("--iters", type=int, default=100)
+    args = parser.parse_args(argv)
+
+    harness = Harness(args.iters, 5, 256 << 20)
+    floor = ReadFloor(1 << 30)
+    rows = []
+    for shape in parse_shapes(args.shapes):
+        b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
+        rng = cupy.random.default_rng(0)
+        def bf16(*dims):
+            bits = rng.standard_normal(dims, dtype=cupy.float32).view(cupy.uint32)
+            return (bits >> 16).astype(cupy.uint16)
+        q, k, v = bf16(b, hq, d), bf16(b, n, hkv, d), bf16(b, n, hkv, d)
+        out = cupy.empty((b, hq, d), cupy.uint16)
+        attn = DecodeAttention(hq, hkv, d)
+        variant = "split" if args.splits else None
+        attn.plan([n] * b, variant=variant, num_splits=args.splits)
+        launch = attn._launch
+        with harness.active():
+            timings = {"as rendered": harness.time(lambda: attn.run(q, k, v, out=out))}
+            for name, patch in ABLATIONS.items():
+                try:
+                    object.__setattr__(attn._launch, "decode_fn", patched_kernel(launch.spec, patch))
+                    timings[name] = harness.time(lambda: attn.run(q, k, v, out=out))
+                except ValueError as exc:  # the part is not in this program (e.g. no global merge)
+                    timings[name] = exc
+            object.__setattr__(attn._launch, "decode_fn", launch.decode_fn)
+            timings["read floor (same bytes)"] = harness.time(floor.reader(shape.total_bytes))
+        for name, t in timings.items():
+            figure = f"{statistics.median(t):8.1f}" if isinstance(t, list) else "     n/a"
+            rows.append(f"{shape.label:22s} {name:32s} {figure} µs   {attn.plan_info}")
+        print("\n".join(rows[-len(timings):]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -158,7 +158,8 @@ def _fmt(value) -> str:
 
 def format_table(results) -> str:
     header = ("kernel", "registers", "spill bytes", "compile ms", "cubin bytes")
-    rows = [(r.spec.name, _fmt(r.registers), _fmt(r.spill_bytes), _fmt(r.compile_ms), _fmt(len(r.cubin)))
+    rows = [(r.spec.name, _fmt(r.registers), _fmt(r.spill_bytes),
+             _fmt(r.compile_ms) + (" (cached)" if getattr(r, "cached", False) else ""), _fmt(len(r.cubin)))
             for r in results]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
@@ -217,11 +218,15 @@ def _compile_all(specs, jobs: int, codegen):
     return results, failures
 
 
-def _emit(results, directory: Path) -> None:
+def _emit(results, directory: Path, headers: dict[str, str]) -> int:
+    """Sources, cubins and the helper headers the sources include: the folder compiles on its own."""
     directory.mkdir(parents=True, exist_ok=True)
+    for name, text in headers.items():
+        (directory / name).write_text(text)
     for r in results:
         (directory / f"{r.spec.name}.cu").write_text(r.source)
         (directory / f"{r.spec.name}.cubin").write_bytes(r.cubin)
+    return len(headers) + 2 * len(results)
 
 
 def _run_bench(args) -> int:
@@ -284,8 +289,8 @@ def main(argv=None) -> int:
     if results:
         print(format_table(results))
     if args.emit is not None and results:
-        _emit(results, args.emit)
-        print(f"wrote {2 * len(results)} files to {args.emit}", file=sys.stderr)
+        written = _emit(results, args.emit, codegen.helper_headers())
+        print(f"wrote {written} files to {args.emit}", file=sys.stderr)
     for name, exc in failures:
         print(_describe_failure(name, exc, codegen), file=sys.stderr)
     print(f"{len(results)} built, {len(failures)} failed in {wall:.1f} s", file=sys.stderr)

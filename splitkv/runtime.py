@@ -187,9 +187,9 @@ class DecodeAttention:
         if launch is None:
             raise RuntimeError("run() before plan(): call plan(seq_lens) first")
         if out is None:
-            out = _empty_like(q, tuple(q.shape))
+            out = _new_output(q)
         if return_lse and lse is None:
-            lse = _empty_like(q, tuple(q.shape[:2]), float32=True)
+            lse = _new_output(q, lse=True)
         arrays = (q, k, v, out, lse)
         layout = tuple(_layout(x) for x in arrays)
         if None in layout[:4] or layout != self._validated_layout:
@@ -293,16 +293,22 @@ def _data_ptr(x) -> int:
     return tensors.describe(x, "array").ptr
 
 
-def _empty_like(like, shape, float32: bool = False):
-    """An uninitialised array of q's kind on q's device (torch's or CuPy's allocator)."""
-    if type(like).__module__.startswith("torch"):
+def _new_output(q, *, lse: bool = False):
+    """An uninitialised out [B, Hq, D] in q's dtype (or lse [B, Hq] in float32) on q's device:
+    from torch's allocator for torch tensors, else from CuPy's (bf16 as uint16, CuPy's carrier)."""
+    if type(q).__module__.startswith("torch"):
         import torch
 
-        return torch.empty(shape, dtype=torch.float32 if float32 else like.dtype, device=like.device)
+        return torch.empty(q.shape[:2] if lse else q.shape, dtype=torch.float32 if lse else q.dtype, device=q.device)
     import cupy
 
-    return cupy.empty(shape, dtype=cupy.float32 if float32 else like.dtype)
+    info = tensors.describe(q, "q", bf16_from_uint16=True)
+    dtype = cupy.float32 if lse else _CUPY_CARRIERS.get(info.dtype, cupy.float16)  # a bad q fails validation
+    with cupy.cuda.Device(info.device if info.device is not None else cupy.cuda.Device().id):
+        return cupy.empty(info.shape[:2] if lse else info.shape, dtype=dtype)
 
+
+_CUPY_CARRIERS = {"bf16": np.uint16, "fp16": np.float16}
 
 _streams: dict[int, object] = {}
 

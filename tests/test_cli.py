@@ -24,6 +24,9 @@ SPECS = [
 ]
 
 
+FAKE_HEADERS = {"primitives.cuh": "// primitives\n", "merge.cuh": "// merge\n"}
+
+
 @dataclass
 class FakeResult:
     spec: object
@@ -82,6 +85,7 @@ def fake(monkeypatch):
     module.default_specs = fc.default_specs
     module.compile_cubin = fc.compile_cubin
     module.CompileError = FakeCompileError
+    module.helper_headers = lambda: dict(FAKE_HEADERS)
     monkeypatch.setitem(sys.modules, "splitkv.codegen", module)
     monkeypatch.setattr(splitkv, "codegen", module, raising=False)
     return fc
@@ -187,7 +191,9 @@ def test_emit_writes_source_and_cubin(fake, capsys, tmp_path):
     code, _, _ = run(capsys, "--arch", "sm90", "--emit", str(dest))
     assert code == 0
     assert sorted(p.name for p in dest.iterdir()) == sorted(
-        f"{s.name}{ext}" for s in SPECS for ext in (".cu", ".cubin"))
+        [f"{s.name}{ext}" for s in SPECS for ext in (".cu", ".cubin")] + list(FAKE_HEADERS))
+    for name, text in FAKE_HEADERS.items():  # the sources include them: the folder compiles alone
+        assert (dest / name).read_text() == text
     for i, spec in enumerate(SPECS):
         r = fake_result(spec, i)
         assert (dest / f"{spec.name}.cu").read_text() == r.source
@@ -309,6 +315,7 @@ def test_real_codegen_offers_what_the_cli_calls():
     for keyword in ("head_dims", "group_sizes", "kv_dtypes"):
         assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY, keyword
     assert callable(codegen.compile_cubin)
+    assert set(codegen.helper_headers()) == {"primitives.cuh", "merge.cuh"}
     assert issubclass(codegen.CompileError, Exception)
     err = codegen.CompileError("failed", "the log", Path("kernel.cu"))
     assert err.log == "the log" and err.source_path == Path("kernel.cu")

@@ -47,6 +47,7 @@ class CompileResult:
     log: str
     source_path: Path | None
     cubin_path: Path | None = None
+    cached: bool = False  # from the disk cache; compile_ms is then the time of the original compile
 
 
 def cache_dir() -> Path:
@@ -160,7 +161,8 @@ def _read_disk_cache(folder: Path, key: str, spec, source: str) -> CompileResult
         return None
     source_path = folder / "src" / f"{spec.name}.cu"
     return CompileResult(spec, source, cubin, meta.get("registers"), meta.get("spill_bytes"),
-                         0.0, meta.get("log", ""), source_path if source_path.exists() else None, cubin_path)
+                         float(meta.get("compile_ms", 0.0)), meta.get("log", ""),
+                         source_path if source_path.exists() else None, cubin_path, cached=True)
 
 
 def parse_ptxas_log(log: str) -> tuple[int | None, int | None]:

@@ -267,6 +267,44 @@ def test_torch_tensors_and_stream():
     check_close(out_bits, cupy.asarray(lse), ref_out, ref_lse, lens, "bf16", "torch on a side stream")
 
 
+class InterfaceOnly:
+    """Exposes an array only through __cuda_array_interface__, as an unknown library would."""
+
+    def __init__(self, array):
+        self.__cuda_array_interface__ = array.__cuda_array_interface__
+        self._keep = array
+
+
+class DLPackOnly:
+    """Exposes an array only through the DLPack protocol."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+@pytest.mark.parametrize("wrap", [InterfaceOnly, DLPackOnly])
+def test_foreign_arrays_without_copies(wrap):
+    q, q64 = random_values((2, 8, 128), "fp16", 51)
+    k, k64 = random_values((2, 3000, 2, 128), "fp16", 52)
+    v, v64 = random_values((2, 3000, 2, 128), "fp16", 53)
+    lens = [3000, 1234]
+    out, lse = splitkv.decode(wrap(q), wrap(k), wrap(v), lens, return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.shape == q.shape and out.dtype == cupy.float16
+    ref_out, ref_lse = reference(q64, k64, v64, lens, 1 / math.sqrt(128))
+    check_close(out, lse, ref_out, ref_lse, lens, "fp16", f"{wrap.__name__} inputs")
+    given = poisoned(q.shape, "fp16")
+    attn = DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16")
+    attn.plan(lens)
+    assert attn.run(wrap(q), wrap(k), wrap(v), out=wrap(given)) is not None
+    check_close(given, None, ref_out, None, lens, "fp16", f"{wrap.__name__} out=")
+
+
 def test_bad_inputs_raise():
     q, _ = random_values((2, 8, 128), "bf16", 1)
     k, _ = random_values((2, 100, 2, 128), "bf16", 2)

@@ -31,3 +31,48 @@ def test_device_lengths_must_be_int32_vectors():
         host_lengths(None, FakeCAI((4,), "<i8"), None)
     with pytest.raises(ValueError, match="seq_lens"):
         host_lengths(None, FakeCAI((2, 2), "<i4"), None)
+
+
+class _Recorder:
+    """Stands in for cupy.empty and cupy.cuda.Device: records what would be allocated where."""
+
+    def __init__(self):
+        self.calls = []
+        self.device = None
+
+    def empty(self, shape, dtype):
+        self.calls.append((tuple(shape), np.dtype(dtype), self.device))
+        return self.calls[-1]
+
+
+@pytest.mark.parametrize("typestr, lse, expected", [
+    ("<V2", False, ((2, 8, 64), np.dtype(np.uint16))),    # bf16 travels as uint16 in CuPy
+    ("<f2", False, ((2, 8, 64), np.dtype(np.float16))),
+    ("<f2", True, ((2, 8), np.dtype(np.float32))),
+])
+def test_outputs_for_foreign_arrays(monkeypatch, typestr, lse, expected):
+    import contextlib
+
+    import cupy
+
+    from splitkv import runtime
+
+    recorder = _Recorder()
+
+    class Device(contextlib.AbstractContextManager):
+        def __init__(self, ordinal=None):
+            self.id = 0 if ordinal is None else ordinal
+
+        def __enter__(self):
+            recorder.device = self.id
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(cupy, "empty", recorder.empty)
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    q = FakeCAI((2, 8, 64), typestr)
+    shape, dtype, device = runtime._new_output(q, lse=lse)
+    assert (shape, dtype) == expected
+    assert device == 0  # a bare interface names no device: the current one

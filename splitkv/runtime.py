@@ -1,7 +1,9 @@
 """DecodeAttention: validate, choose the programs, plan, launch.
 
 ``plan()`` does everything that may synchronise, allocate or compile: it reads the lengths, picks
-dense or split, compiles (or loads from the cache) the programs and sizes the workspace.
+dense or split and the cluster size, compiles (or loads from the cache) the programs and sizes the
+workspace. The workspace is reused by later plans, so a CUDA graph captured after one plan must be
+captured again after the next.
 ``run()`` only reads array metadata and enqueues one or two kernels on the caller's stream, so it
 can be captured in a CUDA graph and replayed.
 """
@@ -106,12 +108,11 @@ class DecodeAttention:
                                          kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
                                          may_resplit=variant is None)
             spec = self.split_spec.replace(cluster=cluster)
-        grid_splits = plan.num_splits
         decode_fn, _ = load_kernel(spec)
         merge_fn = None
         partial_o = partial_lse = counters = None
         if plan.variant == "split":
-            rows = batch * grid_splits * self.num_qo_heads
+            rows = batch * plan.num_splits * self.num_qo_heads
             partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._buffer("partial_lse", rows, np.float32)
             if spec.fused_merge:
@@ -125,7 +126,7 @@ class DecodeAttention:
             device_lens.set(host_lens)
         workspace = (partial_o, partial_lse, counters)
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, int(host_lens.max(initial=0)),
-                               (grid_splits, self.num_kv_heads, batch), device_lens, workspace,
+                               (plan.num_splits, self.num_kv_heads, batch), device_lens, workspace,
                                np.uint64(device_lens.data.ptr),
                                tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace))
         self._validated_layout = None

@@ -64,54 +64,56 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// Element-type traits: conversion to/from float and the MMA whose operands are of this type.
+// Element-type traits: conversion to/from float, packing pairs, and the PTX name of the type as
+// an MMA operand.
 template <typename T> struct Elem;
 
 template <> struct Elem<__nv_bfloat16> {
+    static __host__ __device__ constexpr bool is_bf16() { return true; }
     static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
     static __device__ __forceinline__ u32 pack(float lo, float hi) {
         __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<u32*>(&v);
     }
-    // D = A(16x16, row) * B(16x8, col) + C, fp32 accumulators: d0,d1 row lane/4; d2,d3 row lane/4+8.
-    static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    // Same MMA when only rows 0..7 carry data (group size <= 8): the upper accumulators are
-    // throw-away temporaries, so they never occupy registers across loop iterations.
-    static __device__ __forceinline__ void mma_rows8(float (&d)[2], u32 a0, u32 a2, u32 b0, u32 b1) {
-        asm volatile("{\n.reg .f32 hi0, hi1;\n"
-                     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,hi0,hi1}, {%2,%3,%4,%3}, {%5,%6}, {%7,%8,%9,%9};\n}\n"
-                     : "=f"(d[0]), "=f"(d[1])
-                     : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]), "f"(0.f));
-    }
 };
 
 template <> struct Elem<__half> {
+    static __host__ __device__ constexpr bool is_bf16() { return false; }
     static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
     static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
     static __device__ __forceinline__ u32 pack(float lo, float hi) {
         __half2 v = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<u32*>(&v);
     }
-    static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-    static __device__ __forceinline__ void mma_rows8(float (&d)[2], u32 a0, u32 a2, u32 b0, u32 b1) {
-        asm volatile("{\n.reg .f32 hi0, hi1;\n"
-                     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,hi0,hi1}, {%2,%3,%4,%3}, {%5,%6}, {%7,%8,%9,%9};\n}\n"
-                     : "=f"(d[0]), "=f"(d[1])
-                     : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]), "f"(0.f));
-    }
 };
+
+// The m16n8k16 MMA with fp32 accumulators for operands of type AB ("bf16" or "f16"); PTX names
+// the type inside the instruction, so the two types differ only in this string.
+#define SPLITKV_MMA_16816(AB) "mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 "
+
+// D = A(16x16, row) * B(16x8, col) + D: d0,d1 hold row lane/4, d2,d3 row lane/4 + 8.
+template <typename T>
+__device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#define SPLITKV_MMA_FULL(AB)                                                              \
+    asm volatile(SPLITKV_MMA_16816(AB) "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                        \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+    if constexpr (Elem<T>::is_bf16()) SPLITKV_MMA_FULL("bf16"); else SPLITKV_MMA_FULL("f16");
+#undef SPLITKV_MMA_FULL
+}
+
+// The same MMA when only rows 0..7 carry data (group size <= 8): the upper accumulators are
+// throw-away PTX registers, so they never occupy registers across loop iterations.
+template <typename T>
+__device__ __forceinline__ void mma_rows8(float (&d)[2], u32 a0, u32 a2, u32 b0, u32 b1) {
+#define SPLITKV_MMA_ROWS8(AB)                                                             \
+    asm volatile("{\n.reg .f32 hi0, hi1;\n" SPLITKV_MMA_16816(AB)                         \
+                 "{%0,%1,hi0,hi1}, {%2,%3,%4,%3}, {%5,%6}, {%7,%8,%9,%9};\n}\n"            \
+                 : "=f"(d[0]), "=f"(d[1])                                                 \
+                 : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(d[0]), "f"(d[1]), "f"(0.f))
+    if constexpr (Elem<T>::is_bf16()) SPLITKV_MMA_ROWS8("bf16"); else SPLITKV_MMA_ROWS8("f16");
+#undef SPLITKV_MMA_ROWS8
+}
 
 }  // namespace splitkv

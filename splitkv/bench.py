@@ -588,6 +588,12 @@ def write_markdown(result: dict, path: Path) -> Path:
     return path
 
 
+def _check_text(entry: dict, label: str) -> str:
+    """The output check of one figure: its max abs difference, and '!' when it is suspect."""
+    text = f" {label} {entry['max_abs_diff']:.2g}" if entry.get("max_abs_diff") is not None else ""
+    return text + (" !" if suspect(entry) else "")
+
+
 def progress_line(index: int, total: int, entry: dict) -> str:
     """One line per finished shape: splitkv's figures, the floor, the best peer and every check."""
     sk = entry.get("splitkv") or {}
@@ -601,11 +607,7 @@ def progress_line(index: int, total: int, entry: dict) -> str:
         if sk.get("host_us") is not None:
             text += f", host {sk['host_us']:.0f} µs"
         text += ")"
-        if sk.get("max_abs_diff") is not None:
-            text += f" |d| vs fp32 {sk['max_abs_diff']:.2g}"
-        if suspect(sk):
-            text += " !"
-        parts.append(text)
+        parts.append(text + _check_text(sk, "|d| vs fp32"))
     else:
         parts.append("splitkv " + _na(sk, 120))
     floor = entry.get("floor") or {}
@@ -615,12 +617,7 @@ def progress_line(index: int, total: int, entry: dict) -> str:
     for key, e in (entry.get("peers") or {}).items():
         name = PEER_NAMES.get(key, key)
         if _ok(e):
-            text = f"{name} {_time(e)} µs"
-            if e.get("max_abs_diff") is not None:
-                text += f" |d| {e['max_abs_diff']:.2g}"
-            if suspect(e):
-                text += " !"
-            parts.append(text)
+            parts.append(f"{name} {_time(e)} µs" + _check_text(e, "|d|"))
         else:
             parts.append(f"{name} {_na(e)}")
     return " ".join(parts[:2]) + "; " + "; ".join(parts[2:])

@@ -31,6 +31,9 @@ STAGES = (2, 3, 4)
 #: Thread-block cluster sizes for the split variant's merge through distributed shared memory
 #: (1: no cluster). 16 is beyond the portable limit of 8 and is allowed per kernel at load time.
 CLUSTERS = (1, 2, 4, 8, 16)
+#: How K/V rows reach shared memory. cp_async: every lane copies 16-byte pieces (sm_80+).
+#: bulk: one cp.async.bulk per token row on the copy engine, counted on an mbarrier (sm_90+).
+KV_COPIES = ("cp_async", "bulk")
 
 #: Shared memory a CTA may use on sm_80+ after opting in (227 KB on sm_90; 163 KB on sm_80).
 MAX_SMEM_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
@@ -65,7 +68,7 @@ class KernelSpec:
     """Every compile-time choice of one decode program.
 
     CTA shape: ``warps`` warps per CTA; each warp streams its own tiles of ``tile_tokens`` tokens
-    through a ``stages``-deep cp.async ring in shared memory, with its own online-softmax state; the
+    through a ``stages``-deep ring in shared memory (filled as ``kv_copy`` says), with its own online-softmax state; the
     warps of a CTA combine their states once at the end. ``chunk_size`` is the split granularity:
     the planner gives every split a whole number of chunks, so a split never starts mid-tile.
     ``cluster`` consecutive splits of a row run as one thread-block cluster (split variant only) and
@@ -84,6 +87,7 @@ class KernelSpec:
     stages: int = 2
     fused_merge: bool = True
     cluster: int = 1
+    kv_copy: str = "cp_async"
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
@@ -104,6 +108,9 @@ class KernelSpec:
         _check_choice("cluster", self.cluster, CLUSTERS)
         if self.variant == "dense" and self.cluster != 1:
             raise ValueError("cluster: the dense program has no splits to merge; use cluster=1")
+        _check_choice("kv_copy", self.kv_copy, KV_COPIES)
+        if self.kv_copy == "bulk" and arch_number(self.arch) < 90:
+            raise ValueError(f"kv_copy: 'bulk' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
         if not isinstance(self.fused_merge, bool):
             raise TypeError(f"fused_merge: expected a bool, got {self.fused_merge!r}")
         limit = MAX_SMEM_BYTES.get(arch_number(self.arch), MAX_SMEM_BYTES[90])
@@ -138,12 +145,14 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm'."""
+        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' appended
+        when K/V arrive through bulk copies)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
-                f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}")
+                f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
+                + ("-bulk" if self.kv_copy == "bulk" else ""))
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)

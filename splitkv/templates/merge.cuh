@@ -19,49 +19,56 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, c
                                           int batch_idx, int head, int num_qo_heads, int num_splits, int splits_used,
                                           int lane) {
     constexpr int PER_LANE = (HEAD_DIM + 31) / 32;
-    // Partial loads in flight per lane: the merge runs at the tail of the launch, so its latency
-    // is on the critical path; eight independent L2 reads hide most of it.
-    constexpr int BATCH = 8;
+    // The merge runs at the tail of the launch, so its latency is on the critical path: each group
+    // of up to 32 splits costs one round trip to L2, the log-sum-exps (one per lane) and the first
+    // BATCH partials being requested together, since the partials do not depend on the weights.
+    constexpr int BATCH = 16;
     const size_t split_stride = (size_t)num_qo_heads;
     const float* row_lse = partial_lse + ((size_t)batch_idx * num_splits) * split_stride + head;
     const float* row_o = partial_o + (((size_t)batch_idx * num_splits) * split_stride + head) * HEAD_DIM;
+    auto load_partials = [&](float (&part)[BATCH][PER_LANE], int base, int first, int count) {
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const float* o = row_o + (size_t)(base + min(first + u, count - 1)) * split_stride * HEAD_DIM;
+#pragma unroll
+            for (int j = 0; j < PER_LANE; ++j) {
+                const int d = lane + 32 * j;
+                part[u][j] = (first + u < count && d < HEAD_DIM) ? __ldcg(o + d) : 0.f;
+            }
+        }
+    };
 
-    // Lanes over splits: the row's max and sum of weights.
-    float m = -INFINITY;
-    for (int i = lane; i < splits_used; i += 32) m = fmaxf(m, __ldcg(row_lse + i * split_stride));
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    float total = 0.f;
-    if (m != -INFINITY)
-        for (int i = lane; i < splits_used; i += 32) total += exp2_approx(__ldcg(row_lse + i * split_stride) - m);
-    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-
-    // Lanes over head_dim: sum of weighted partials, 32 splits' weights at a time from the lanes.
+    // Running over groups of 32 splits: m the max log-sum-exp so far, total the sum of weights
+    // 2^(lse2_i - m), acc the weighted sum of partials, both rescaled when m grows.
+    float m = -INFINITY, total = 0.f;
     float acc[PER_LANE];
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.f;
-    if (m != -INFINITY) {
-        for (int base = 0; base < splits_used; base += 32) {
-            const int mine = base + lane;
-            const float w_lane = mine < splits_used ? exp2_approx(__ldcg(row_lse + mine * split_stride) - m) : 0.f;
-            const int count = min(32, splits_used - base);
-            for (int first = 0; first < count; first += BATCH) {
-                float part[BATCH][PER_LANE];
+    for (int base = 0; base < splits_used; base += 32) {
+        const int count = min(32, splits_used - base);
+        const float lse_lane = lane < count ? __ldcg(row_lse + (base + lane) * split_stride) : -INFINITY;
+        float part[BATCH][PER_LANE];
+        load_partials(part, base, 0, count);
+        float group_max = lse_lane;
+        for (int off = 16; off > 0; off >>= 1) group_max = fmaxf(group_max, __shfl_xor_sync(0xffffffffu, group_max, off));
+        const float m_new = fmaxf(m, group_max);
+        if (m_new == -INFINITY) continue;  // every split so far is empty (warp-uniform)
+        const float rescale = exp2_approx(m - m_new);  // 2^-inf = 0 on the first non-empty group
+        const float w_lane = exp2_approx(lse_lane - m_new);
+        float w_sum = w_lane;
+        for (int off = 16; off > 0; off >>= 1) w_sum += __shfl_xor_sync(0xffffffffu, w_sum, off);
+        total = total * rescale + w_sum;
 #pragma unroll
-                for (int u = 0; u < BATCH; ++u) {
-                    const float* o = row_o + (size_t)(base + min(first + u, count - 1)) * split_stride * HEAD_DIM;
+        for (int j = 0; j < PER_LANE; ++j) acc[j] *= rescale;
+        m = m_new;
+        for (int first = 0; first < count; first += BATCH) {
+            if (first > 0) load_partials(part, base, first, count);
 #pragma unroll
-                    for (int j = 0; j < PER_LANE; ++j) {
-                        const int d = lane + 32 * j;
-                        part[u][j] = d < HEAD_DIM ? __ldcg(o + d) : 0.f;
-                    }
-                }
+            for (int u = 0; u < BATCH; ++u) {
+                const float w = __shfl_sync(0xffffffffu, w_lane, (first + u) & 31);
+                if (first + u < count) {
 #pragma unroll
-                for (int u = 0; u < BATCH; ++u) {
-                    const float w = __shfl_sync(0xffffffffu, w_lane, (first + u) & 31);
-                    if (first + u < count) {
-#pragma unroll
-                        for (int j = 0; j < PER_LANE; ++j) acc[j] += w * part[u][j];
-                    }
+                    for (int j = 0; j < PER_LANE; ++j) acc[j] += w * part[u][j];
                 }
             }
         }

@@ -103,7 +103,7 @@ def check_close(out, lse, ref_out, ref_lse, lens, dtype, label):
 
 
 def run_case(head_dim, group, lens, *, variant=None, num_splits=None, dtype="bf16", num_kv_heads=2,
-             max_len=None, spec_changes=None, q_scale=1.0):
+             max_len=None, spec_changes=None, q_scale=1.0, nan_tail=False):
     lens = [int(n) for n in lens]
     max_len = max_len or max(max(lens), 1)
     batch = len(lens)
@@ -112,6 +112,11 @@ def run_case(head_dim, group, lens, *, variant=None, num_splits=None, dtype="bf1
     q, q64 = random_values((batch, num_qo, head_dim), dtype, seed, q_scale)
     k, k64 = random_values((batch, max_len, num_kv_heads, head_dim), dtype, seed + 1)
     v, v64 = random_values((batch, max_len, num_kv_heads, head_dim), dtype, seed + 2)
+    if nan_tail:  # the cache past each length holds NaN: none of it may reach the output
+        nan_bits = 0x7FC0 if dtype == "bf16" else np.float16(np.nan).view(np.uint16)
+        for b, n in enumerate(lens):
+            k.view(cupy.uint16)[b, n:] = nan_bits
+            v.view(cupy.uint16)[b, n:] = nan_bits
     spec = None
     if spec_changes:
         spec = default_spec("sm_90", head_dim, group, dtype, dtype).replace(**spec_changes)
@@ -172,12 +177,36 @@ def test_planner_choice_and_extreme_logits(group):
     {"warps": 2, "tile_tokens": 64, "chunk_size": 128, "stages": 2},
     {"warps": 4, "tile_tokens": 16, "stages": 4, "chunk_size": 64},
     {"warps": 1, "tile_tokens": 32, "stages": 3, "chunk_size": 64},
+    {"kv_copy": "bulk"},
+    {"kv_copy": "bulk", "cluster": 1},
+    {"kv_copy": "bulk", "warps": 8, "tile_tokens": 16, "stages": 3, "chunk_size": 128},
+    {"kv_copy": "bulk", "warps": 2, "tile_tokens": 64, "chunk_size": 128},
 ])
 def test_cta_shapes_clusters_and_separate_merge(changes):
     # 8 and 16 splits: one cluster per row, or rows spanning several clusters merged through
     # global memory (cluster 1, 2, 4 and 8 of 16 splits).
     for variant, splits in (("dense", None), ("split", 8), ("split", 16)):
         run_case(128, 4, [1, 777, 5000, 0], variant=variant, num_splits=splits, spec_changes=changes)
+
+
+@pytest.mark.parametrize("variant", ["dense", "split"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_bulk_copies(head_dim, variant):
+    # K/V rows through cp.async.bulk: every head_dim (rows of 128 to 512 bytes), groups 1 to 16,
+    # ragged lengths that end mid-tile, and one long sequence.
+    for group in (1, 4, 16):
+        run_case(head_dim, group, [0, 1, 33, 1077, 4096, 3], variant=variant, num_splits=5,
+                 spec_changes={"kv_copy": "bulk"})
+    run_case(head_dim, 8, [65536], variant=variant, num_splits=16, num_kv_heads=1, spec_changes={"kv_copy": "bulk"})
+
+
+@pytest.mark.parametrize("kv_copy", ["cp_async", "bulk"])
+@pytest.mark.parametrize("variant", ["dense", "split"])
+def test_nan_in_the_cache_past_the_length_never_leaks(variant, kv_copy):
+    # The first tiles are fetched before the length is known, so rows past it reach shared memory.
+    for head_dim, group in ((128, 4), (64, 16), (256, 1)):
+        run_case(head_dim, group, [0, 1, 17, 100, 1000, 250], max_len=1100, variant=variant, num_splits=4,
+                 spec_changes={"kv_copy": kv_copy}, nan_tail=True)
 
 
 def test_cluster_merge_is_used_where_it_fits():

@@ -43,6 +43,12 @@ ABLATIONS = {
     "no Q loads": _swap("        if (row >= GROUP) return 0u;\n", "        return 0x3f803f80u;\n"),
     "no global merge tail": _swap("    if (!FUSED_MERGE) return;\n", "    return;\n"),
     "stream-only (no math)": lambda s: _cut(s, "        // S = Q K^T", "        __syncwarp();  // every lane has read this stage"),
+    "no cluster merge (each CTA exits)": _swap("        splitkv::cluster_wait();  // every member's inbox",
+                                               "        return;\n        splitkv::cluster_wait();  // every member's inbox"),
+    "no epilogue (exit after the stream)": _swap("    }\n    drain(prefetched);\n",
+                                                 "    }\n    drain(prefetched);\n    if (len >= 0) return;\n"),
+    "nothing (exit at once)": _swap("    extern __shared__ __align__(16) unsigned char smem[];\n",
+                                    "    extern __shared__ __align__(16) unsigned char smem[];\n    if (max_len > 0) return;\n"),
 }
 
 

@@ -136,12 +136,25 @@ class KernelSpec:
         return 2 * self.head_dim * KV_DTYPE_BITS[self.kv_dtype] // 8
 
     @property
-    def smem_bytes(self) -> int:
-        """Dynamic shared memory: the per-warp K/V rings (reused for the CTA's final combine)."""
+    def cluster_slice(self) -> int:
+        """Output elements (of group_size x head_dim) each CTA of a cluster merges: a multiple of 4."""
+        return -(-self.group_size * self.head_dim // (4 * self.cluster)) * 4
+
+    @property
+    def inbox_offset(self) -> int:
+        """Byte offset of the cluster inbox in dynamic shared memory: past the per-warp K/V rings
+        and the CTA's final combine, which reuses the rings' bytes once they are drained."""
         row = (self.head_dim + SMEM_ROW_PAD) * KV_DTYPE_BITS[self.kv_dtype] // 8
         ring = self.warps * self.stages * self.tile_tokens * row * 2
-        combine = (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16 + (self.cluster + 1) * 16) * 4
-        return max(ring, combine)
+        combine = (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16) * 4
+        return -(-max(ring, combine) // 16) * 16
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the rings (reused for the combine), then, in a cluster, the inbox
+        where the other CTAs leave their partials (fp32) and log-sum-exps for this CTA's slice."""
+        inbox = self.cluster * (self.cluster_slice + 16) * 4 if self.cluster > 1 else 0
+        return self.inbox_offset + inbox
 
     @property
     def name(self) -> str:

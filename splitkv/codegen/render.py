@@ -54,7 +54,7 @@ def template_parameters(spec: KernelSpec | MergeSpec) -> dict:
         params["out_type"] = CUDA_TYPES[spec.out_dtype]
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], kv_type=CUDA_TYPES[spec.kv_dtype],
-                      smem_pad=SMEM_ROW_PAD)
+                      smem_pad=SMEM_ROW_PAD, cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset)
     return params
 
 

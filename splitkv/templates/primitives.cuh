@@ -69,22 +69,47 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-// Thread-block clusters (sm_90+): rank in the cluster, a full-cluster barrier that orders shared
-// memory writes before it with reads after it, and loads from a partner CTA's shared memory.
+// Thread-block clusters (sm_90+): rank in the cluster, a split cluster barrier (arrive early,
+// wait late), and stores into a partner CTA's shared memory.
 __device__ __forceinline__ unsigned cluster_rank() {
     unsigned rank;
     asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
     return rank;
 }
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+// Relaxed: orders nothing by itself; a fence.mbarrier_init before it publishes barrier inits.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ float load_from_cluster_rank(const float* local, unsigned rank) {
-    unsigned remote;
-    float value;
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_map(const void* local, unsigned rank) {
+    u32 remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(value) : "r"(remote) : "memory");
-    return value;
+    return remote;
+}
+__device__ __forceinline__ void store_to_cluster_rank(float* local, unsigned rank, float value) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(cluster_map(local, rank)), "f"(value) : "memory");
+}
+// One arrival on the barrier at `local`'s address in CTA `rank`, releasing (at cluster scope) this
+// thread's earlier writes and those it has synchronised with.
+__device__ __forceinline__ void mbarrier_arrive_on_cluster_rank(unsigned long long* local, unsigned rank) {
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
+                 :: "r"(cluster_map(local, rank)) : "memory");
+}
+// Waits for the phase of parity `parity` to complete, acquiring what its arrivals released.
+__device__ __forceinline__ void mbarrier_wait_cluster_acquire(unsigned long long* bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\n"
+                 "WAIT_%=:\n"
+                 "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+// Device-scope atomic add with acquire-release ordering; returns the old value.
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* address, int value) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(address), "r"(value) : "memory");
+    return old;
 }
 
 // 2^x on the special-function unit; 2^-inf = +0, which the online softmax relies on.

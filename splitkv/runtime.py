@@ -203,7 +203,7 @@ class DecodeAttention:
             launch.decode_fn(
                 launch.grid, (spec.threads,),
                 (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
-                 np.int32(k.shape[1]), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
+                 np.int32(_cache_len(k)), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
                  np.float32(self.sm_scale * _LOG2E)),
                 shared_mem=spec.smem_bytes)
             if launch.merge_fn is not None:
@@ -281,6 +281,12 @@ def _layout(x):
     if module.startswith("cupy"):
         return ("cupy", x.shape, x.strides, x.dtype, x.device.id)
     return None
+
+
+def _cache_len(k) -> int:
+    """Tokens the cache holds per sequence (k.shape[1]), for arrays without a .shape attribute too."""
+    shape = getattr(k, "shape", None)
+    return int(shape[1]) if shape is not None else tensors.describe(k, "k").shape[1]
 
 
 def _data_ptr(x) -> int:

@@ -37,6 +37,18 @@ def test_every_default_kernel_compiles_for_sm90(spec):
     assert "{{" not in result.source and "{%" not in result.source
 
 
+@pytest.mark.parametrize("changes", [
+    {"kv_copy": "bulk"}, {"kv_copy": "bulk", "variant": "dense", "cluster": 1},
+    {"kv_copy": "bulk", "head_dim": 256, "group_size": 16, "tile_tokens": 16, "chunk_size": 64, "cluster": 16},
+    {"kv_copy": "bulk", "head_dim": 96, "group_size": 1, "warps": 8, "tile_tokens": 16, "stages": 3},
+], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_bulk_copy_kernels_compile_for_sm90(changes):
+    spec = KernelSpec(arch="sm_90", chunk_size=128, cluster=8).replace(**changes)
+    result = compile_cubin(spec, use_disk_cache=False)
+    assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
+    assert "cp.async.bulk" in result.source or "bulk_copy_to_smem" in result.source
+
+
 def test_rendered_source_carries_the_parameters():
     spec = KernelSpec(head_dim=96, group_size=3, warps=2, tile_tokens=16, stages=3, chunk_size=64)
     source = render(spec)

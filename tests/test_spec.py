@@ -20,7 +20,7 @@ def test_bad_arch(arch):
 @pytest.mark.parametrize("field, value", [
     ("head_dim", 80), ("group_size", 0), ("group_size", 17), ("q_dtype", "fp32"), ("kv_dtype", "int8"),
     ("variant", "paged"), ("warps", 3), ("tile_tokens", 8), ("stages", 1), ("chunk_size", 0),
-    ("chunk_size", 48),
+    ("chunk_size", 48), ("kv_copy", "tma"),
 ])
 def test_bad_field_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -41,7 +41,8 @@ def test_names_differ_per_field():
     base = KernelSpec()
     variants = [base.replace(head_dim=64), base.replace(group_size=8), base.replace(variant="dense"),
                 base.replace(fused_merge=False), base.replace(stages=3), base.replace(chunk_size=512),
-                base.replace(kv_dtype="fp16", q_dtype="fp16"), base.replace(arch="sm_100a")]
+                base.replace(kv_dtype="fp16", q_dtype="fp16"), base.replace(arch="sm_100a"),
+                base.replace(kv_copy="bulk"), base.replace(cluster=8)]
     names = {s.name for s in [base, *variants]}
     assert len(names) == len(variants) + 1
 
@@ -56,3 +57,23 @@ def test_merge_spec():
     with pytest.raises(ValueError, match="out_dtype"):
         MergeSpec(out_dtype="fp32")
     assert arch_number("sm_90a") == 90
+
+
+def test_bulk_copies_need_sm90():
+    assert KernelSpec(arch="sm_90", kv_copy="bulk").name.endswith("-bulk")
+    with pytest.raises(ValueError, match="kv_copy"):
+        KernelSpec(arch="sm_80", kv_copy="bulk")
+
+
+def test_cluster_inbox_sits_past_the_rings_and_the_combine():
+    # Every member's slice of the output, and its log-sum-exps, land in the owner's inbox while the
+    # owner may still be streaming: the inbox must not overlap the rings or the combine area.
+    for spec in (KernelSpec(chunk_size=128, cluster=8), KernelSpec(head_dim=256, group_size=16, tile_tokens=16,
+                                                                    chunk_size=64, cluster=16)):
+        ring = spec.warps * spec.stages * spec.tile_tokens * (spec.head_dim + 8) * 2 * 2
+        combine = (spec.warps * (spec.group_size * spec.head_dim + 32) + 32) * 4
+        assert spec.inbox_offset >= max(ring, combine) and spec.inbox_offset % 16 == 0
+        assert spec.cluster * spec.cluster_slice >= spec.group_size * spec.head_dim
+        assert spec.smem_bytes == spec.inbox_offset + spec.cluster * (spec.cluster_slice + 16) * 4
+    plain = KernelSpec(chunk_size=128, cluster=1)
+    assert plain.smem_bytes == plain.inbox_offset  # no inbox without a cluster

@@ -209,6 +209,21 @@ def test_nan_in_the_cache_past_the_length_never_leaks(variant, kv_copy):
                  spec_changes={"kv_copy": kv_copy}, nan_tail=True)
 
 
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_merge_of_many_splits(fused_merge):
+    # More than 32 splits per row: the merge runs over several groups of 32 log-sum-exps and
+    # several batches of 16 partials, rescaling what it has summed when a later group's max is larger.
+    changes = {"fused_merge": fused_merge, "cluster": 1}
+    run_case(128, 4, [5000, 3000, 0, 2500], variant="split", num_splits=40, spec_changes=changes)
+    run_case(64, 8, [9000, 70], variant="split", num_splits=70, spec_changes=changes, q_scale=30.0)
+    # The planner's own choice for a short, wide row of head_dim 256 (64 splits on an H200): its
+    # CTAs fill more than half of the SMs, and the merge does not talk it out of that.
+    plan = run_case(256, 8, [16384], num_kv_heads=2)
+    num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    print(f"D=256, 16k, 2 K/V heads: {plan.num_splits} splits, {plan.num_ctas} CTAs on {num_sms} SMs")
+    assert plan.variant == "split" and 2 * plan.num_ctas > num_sms
+
+
 def test_cluster_merge_is_used_where_it_fits():
     # 8 splits of 2 rows: two clusters of 8, resident at once on any sm_90 part.
     attn_probe = run_case(128, 4, [3000, 1500], variant="split", num_splits=8)

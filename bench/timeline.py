@@ -1,0 +1,139 @@
+"""Timeline of one decode launch: when each CTA reaches each phase of the program.
+
+The rendered decode program is patched to stamp the GPU's global timer (ns, shared by all SMs) at
+the end of each phase, per CTA, into a device array; one launch per sample runs after an L2
+flush, as in the benchmark. The table gives, per phase, when the first, median and last CTA got
+there (µs after the first CTA started), and how long the last CTA to finish spent in each phase.
+Ablations (bench/ablate.py) say what a part costs; this says where in the launch it happens.
+
+    python bench/timeline.py                         # B=1, 32/8, D=128 at 1k and 64k
+    python bench/timeline.py --shapes 1:32:8:128:16k --samples 50
+
+Needs a GPU and CuPy. The stamps add a few instructions per phase, not per tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+#: Phase stamps in program order; a CTA that skips a phase (no merge, not the last) leaves it 0.
+PHASES = ("start", "all warps streamed", "warps combined", "pushed / partials written", "merge inputs ready",
+          "done")
+_SLOTS = 8
+_PROBE = r'''
+__device__ unsigned long long splitkv_probe[{ctas}][{slots}];
+__device__ __forceinline__ void splitkv_stamp(int phase) {{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x == 0) splitkv_probe[cta][phase] = t;
+}}
+'''
+
+#: (anchor in the rendered source, phase stamped right after it). Anchors that a program lacks
+#: (the cluster merge in a global-merge program, say) are skipped.
+_AFTER = (
+    ("    __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox\n", 0),
+    ("        row_lse2[row] = l > 0.f ? m + __log2f(l) : -INFINITY;\n    }\n    __syncthreads();\n", 2),
+    ("        __syncthreads();  // all of this CTA's pushes come before its arrivals\n", 3),
+    ("    __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
+    ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);\n", 4),
+    ("    __syncthreads();\n    if (!is_last) return;\n", 4),
+)
+#: (anchor, stamp inserted right before it): the end of each merge.
+_BEFORE = (
+    ("    float* warp_m = reinterpret_cast", 1),
+    ("        return;\n    }\n\n    // ---- without clusters", 5),
+)
+_TAIL = "                                            num_qo_heads, num_splits, splits_used, lane);\n"
+
+
+def patched_source(source: str, num_ctas: int) -> str:
+    """The rendered decode program with phase stamps (see the module notes)."""
+    head, sep, body = source.partition('#include "merge.cuh"\n')
+    if not sep:
+        raise ValueError("timeline: the decode program's include anchor moved")
+    out = head + sep + _PROBE.format(ctas=num_ctas, slots=_SLOTS) + body
+    for anchor, phase in _AFTER:
+        out = out.replace(anchor, anchor + f"    splitkv_stamp({phase});\n", 1)
+    for anchor, phase in _BEFORE:
+        # phase 1 follows the CTA barrier after the streams; the end of a merge needs its own
+        barrier = "" if phase == 1 else "    __syncthreads();\n"
+        out = out.replace(anchor, barrier + f"    splitkv_stamp({phase});\n" + anchor, 1)
+    if _TAIL in out:
+        out = out.replace(_TAIL, _TAIL + "    __syncthreads();\n    splitkv_stamp(5);\n", 1)
+    if "splitkv_stamp(0)" not in out or "splitkv_stamp(1)" not in out:
+        raise ValueError("timeline: the decode program's phase anchors moved")
+    return out
+
+
+def summarise(stamps: np.ndarray) -> list[str]:
+    """Rows of the table from stamps [samples, ctas, slots] (ns, 0 = phase not reached)."""
+    rows = []
+    start = np.where(stamps[:, :, 0] > 0, stamps[:, :, 0], np.iinfo(np.int64).max).min(axis=1)
+    rel = (stamps - start[:, None, None]) / 1e3
+    rel[stamps == 0] = np.nan
+    for phase, name in enumerate(PHASES):
+        per_sample = rel[:, :, phase]
+        if np.isnan(per_sample).all():
+            continue
+        first = np.nanmedian(np.nanmin(per_sample, axis=1))
+        mid = np.nanmedian(np.nanmedian(per_sample, axis=1))
+        last = np.nanmedian(np.nanmax(per_sample, axis=1))
+        rows.append(f"  {name:28s} first {first:7.2f}  median {mid:7.2f}  last {last:7.2f} µs")
+    return rows
+
+
+def main(argv=None) -> int:
+    import cupy
+
+    from splitkv import DecodeAttention
+    from splitkv.bench import Harness, parse_shapes
+    from splitkv.codegen.compile import cuda_include_dirs
+    from splitkv.codegen.render import DECODE_KERNEL, render
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:64k"])
+    parser.add_argument("--samples", type=int, default=30)
+    args = parser.parse_args(argv)
+
+    harness = Harness(args.samples, 3, 256 << 20)
+    templates = os.path.join(os.path.dirname(__import__("splitkv").__file__), "templates")
+    options = ("--std=c++17", f"-I{templates}", *(f"-I{d}" for d in cuda_include_dirs()))
+    for shape in parse_shapes(args.shapes):
+        b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
+        rng = cupy.random.default_rng(0)
+        def bf16(*dims):
+            return (rng.standard_normal(dims, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+        q, k, v = bf16(b, hq, d), bf16(b, n, hkv, d), bf16(b, n, hkv, d)
+        out = cupy.empty((b, hq, d), cupy.uint16)
+        attn = DecodeAttention(hq, hkv, d)
+        attn.plan([n] * b)
+        launch = attn._launch
+        num_ctas = int(np.prod(launch.grid))
+        module = cupy.RawModule(code=patched_source(render(launch.spec), num_ctas), options=options, backend="nvrtc")
+        function = module.get_function(DECODE_KERNEL)
+        function.max_dynamic_shared_size_bytes = launch.spec.smem_bytes
+        if launch.spec.cluster > 8:
+            from cupy_backends.cuda.api import driver
+            driver.funcSetAttribute(function.kernel.ptr, 14, 1)  # non-portable cluster size
+        object.__setattr__(launch, "decode_fn", function)
+        probe = module.get_global("splitkv_probe")
+        stamps = []
+        with harness.active():
+            for _ in range(args.samples):
+                cupy.cuda.runtime.memsetAsync(probe.ptr, 0, probe.mem.size, harness.stream.ptr)
+                harness.flush_l2()
+                attn.run(q, k, v, out=out)
+                harness.synchronize()
+                stamps.append(cupy.ndarray((num_ctas, _SLOTS), cupy.uint64, probe).get().astype(np.int64))
+        print(f"{shape.label}: {attn.plan_info}")
+        print("\n".join(summarise(np.stack(stamps))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -119,12 +119,17 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
+// NVRTC ships no <type_traits>; the programs only need this one.
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
 // Element-type traits: conversion to/from float, packing pairs, and the PTX name of the type as
 // an MMA operand.
 template <typename T> struct Elem;
 
 template <> struct Elem<__nv_bfloat16> {
     static __host__ __device__ constexpr bool is_bf16() { return true; }
+    static __device__ __forceinline__ __nv_bfloat16 from_bits(unsigned bits) { return __ushort_as_bfloat16((unsigned short)bits); }
     static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
     static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
     static __device__ __forceinline__ u32 pack(float lo, float hi) {
@@ -135,6 +140,7 @@ template <> struct Elem<__nv_bfloat16> {
 
 template <> struct Elem<__half> {
     static __host__ __device__ constexpr bool is_bf16() { return false; }
+    static __device__ __forceinline__ __half from_bits(unsigned bits) { return __ushort_as_half((unsigned short)bits); }
     static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
     static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
     static __device__ __forceinline__ u32 pack(float lo, float hi) {

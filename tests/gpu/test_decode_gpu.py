@@ -78,8 +78,9 @@ def reference(q64, k64, v64, lens, sm_scale):
     return out, lse
 
 
-def check_close(out, lse, ref_out, ref_lse, lens, dtype, label):
+def check_close(out, lse, ref_out, ref_lse, lens, dtype, label, tol_dtype=None):
     out64 = to_float64(out, dtype)
+    dtype = tol_dtype or dtype  # the bound follows the type the products are taken in
     assert bool(cupy.isfinite(out64).all()), f"{label}: non-finite output (unwritten or NaN)"
     err = out64 - ref_out
     rel = float(cupy.linalg.norm(err) / max(float(cupy.linalg.norm(ref_out)), 1e-30))
@@ -236,6 +237,24 @@ def test_cluster_merge_is_used_where_it_fits():
     fits = attn._max_active_clusters(16)
     print(f"clusters of 16 resident at once: {fits}")
     assert attn._launch.spec.cluster == (16 if fits is not None and fits >= 16 else 1)
+
+
+@pytest.mark.parametrize("q_dtype, kv_dtype", [("fp16", "bf16"), ("bf16", "fp16")])
+def test_q_and_kv_of_different_types(q_dtype, kv_dtype):
+    # Q is converted to the K/V type for the MMAs; the output comes back in Q's type.
+    lens = [3000, 1, 0, 777]
+    q, q64 = random_values((4, 8, 128), q_dtype, 61)
+    k, k64 = random_values((4, 3000, 2, 128), kv_dtype, 62)
+    v, v64 = random_values((4, 3000, 2, 128), kv_dtype, 63)
+    for variant, splits in (("dense", None), ("split", 6)):
+        attn = DecodeAttention(8, 2, 128, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        attn.plan(lens, variant=variant, num_splits=splits)
+        out = poisoned((4, 8, 128), q_dtype)
+        lse = cupy.full((4, 8), cupy.nan, dtype=cupy.float32)
+        attn.run(q, k, v, out=out, lse=lse)
+        ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(128))
+        check_close(out, lse, ref_out, ref_lse, lens, q_dtype, f"q {q_dtype} kv {kv_dtype} {attn.plan_info}",
+                    tol_dtype="bf16")
 
 
 def test_fp16():

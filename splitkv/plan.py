@@ -18,12 +18,12 @@ import numpy as np
 
 from .spec import VARIANTS
 
-#: Predicted cost of one extra split, in tokens of K/V streamed by one CTA. The merge itself is a
-#: near-constant tail (one warp per query head reads all of a row's partials in one or two L2
-#: round trips), so each split adds little: the G x D fp32 partial it writes and the merge reads
-#: back. 2 keeps ties going to fewer splits without stopping a short, wide row from filling the
-#: GPU (H200, B=1, 16/2 heads, D=256, 16k: 32 splits on 64 CTAs at 16 tokens; 64 on 128 at 2).
-MERGE_COST_TOKENS_PER_SPLIT = 2
+#: Predicted cost of one extra split, in tokens of K/V streamed by one CTA. A split writes, and the
+#: merge reads back, G x D fp32 partials per K/V head (about G tokens' worth of K/V bytes, twice),
+#: and one CTA reads all of a row's partials at the end. 16 is a rough prior for group sizes up to
+#: 8. Measured on an H200 (B=1, 16/2 heads, D=256, 16k): 32 splits on 64 CTAs take 28.8 µs, and
+#: 64 splits on 128 CTAs 31.4 µs, since the last CTA then reads 64 partials of 8 KB per row.
+MERGE_COST_TOKENS_PER_SPLIT = 16
 
 #: Upper bound on the grid, in waves of resident CTAs: more splits only add partials to merge.
 MAX_WAVES = 2

@@ -40,7 +40,7 @@ def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:
     arch = arch_number(spec.arch)
     key = arch if arch in _THREADS_PER_SM else 90
     limits = [_THREADS_PER_SM[key] // spec.threads, _CTAS_PER_SM[key],
-              _SMEM_PER_SM[key] // (spec.smem_bytes + _SMEM_RESERVED_PER_CTA)]
+              _SMEM_PER_SM[key] // (spec.smem_bytes + spec.static_smem_bytes + _SMEM_RESERVED_PER_CTA)]
     if registers:
         # Registers are allocated per warp in units of 256.
         per_warp = -(-registers * 32 // 256) * 256

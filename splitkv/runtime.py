@@ -71,7 +71,7 @@ class DecodeAttention:
             raise ValueError(f"spec: {base.name} does not match head_dim={head_dim}, group={self.group_size}, "
                              f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
         self.split_spec = base.replace(arch=self.arch, variant="split")
-        self.dense_spec = base.replace(arch=self.arch, variant="dense", cluster=1)
+        self.dense_spec = base.replace(arch=self.arch, variant="dense", cluster=1, steal_tiles=False)
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
@@ -115,9 +115,11 @@ class DecodeAttention:
             rows = batch * plan.num_splits * self.num_qo_heads
             partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._buffer("partial_lse", rows, np.float32)
-            if spec.fused_merge:
-                counters = self._buffer("counters", batch * self.num_kv_heads, np.int32, zero=True)
-            else:
+            # [merge counters; tile counters when warps steal tiles], each [batch][num_kv_heads]
+            num_counters = (2 if spec.steal_tiles else 1) * batch * self.num_kv_heads
+            if spec.fused_merge or spec.steal_tiles:
+                counters = self._buffer("counters", num_counters, np.int32, zero=True)
+            if not spec.fused_merge:
                 merge_fn, _ = load_kernel(self.merge_spec)
         if tensors.is_device_array(seq_lens):  # the caller's array: lengths it rewrites in place reach graph replays
             device_lens = tensors.to_cupy(seq_lens)
@@ -212,7 +214,8 @@ class DecodeAttention:
                 launch.merge_fn(
                     ((rows + warps - 1) // warps,), (_MERGE_THREADS,),
                     (*launch.workspace_ptrs[:2], launch.seq_lens_ptr, out_ptr, lse_ptr, np.int32(launch.batch),
-                     np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split)))
+                     np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split),
+                     np.int32(_cache_len(k))))
         return (out, lse) if return_lse else out
 
     def _validate(self, arrays) -> None:

@@ -73,6 +73,9 @@ class KernelSpec:
     the planner gives every split a whole number of chunks, so a split never starts mid-tile.
     ``cluster`` consecutive splits of a row run as one thread-block cluster (split variant only) and
     merge their partial results through distributed shared memory, without a trip to global memory.
+    ``steal_tiles``: each warp streams the first ``stages - 1`` tiles of its split, then draws tiles
+    from a per-row counter, so that CTAs which stream faster take over the slower ones' tokens (the
+    result then depends on which warp took which tile, within rounding).
     """
 
     arch: str = "sm_90"
@@ -88,6 +91,7 @@ class KernelSpec:
     fused_merge: bool = True
     cluster: int = 1
     kv_copy: str = "cp_async"
+    steal_tiles: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
@@ -106,15 +110,24 @@ class KernelSpec:
             raise ValueError(
                 f"chunk_size: {self.chunk_size} is not a multiple of tile_tokens={self.tile_tokens}")
         _check_choice("cluster", self.cluster, CLUSTERS)
+        if self.cluster > 1 and arch_number(self.arch) < 90:
+            raise ValueError(f"cluster: thread-block clusters need sm_90 or newer, got arch {self.arch}")
         if self.variant == "dense" and self.cluster != 1:
             raise ValueError("cluster: the dense program has no splits to merge; use cluster=1")
         _check_choice("kv_copy", self.kv_copy, KV_COPIES)
         if self.kv_copy == "bulk" and arch_number(self.arch) < 90:
             raise ValueError(f"kv_copy: 'bulk' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
+        if not isinstance(self.steal_tiles, bool):
+            raise TypeError(f"steal_tiles: expected a bool, got {self.steal_tiles!r}")
+        if self.steal_tiles and (self.variant != "split" or self.kv_copy != "cp_async"):
+            raise ValueError("steal_tiles: needs the split variant with kv_copy='cp_async'")
+        if self.steal_tiles and self.cluster == 1 and not self.fused_merge:
+            raise ValueError("steal_tiles: without a cluster the fused merge resets the tile counters; "
+                             "use fused_merge=True")
         if not isinstance(self.fused_merge, bool):
             raise TypeError(f"fused_merge: expected a bool, got {self.fused_merge!r}")
         limit = MAX_SMEM_BYTES.get(arch_number(self.arch), MAX_SMEM_BYTES[90])
-        if self.smem_bytes > limit:
+        if self.smem_bytes + self.static_smem_bytes > limit:
             raise ValueError(
                 f"CTA shape needs {self.smem_bytes} bytes of shared memory (warps={self.warps} x "
                 f"stages={self.stages} x tile_tokens={self.tile_tokens} x head_dim={self.head_dim}); "
@@ -150,6 +163,13 @@ class KernelSpec:
         return -(-max(ring, combine) // 16) * 16
 
     @property
+    def static_smem_bytes(self) -> int:
+        """Shared memory the program declares statically (barriers, flags, per-stage tile starts),
+        on top of ``smem_bytes``; both count against the per-CTA limit. An upper bound."""
+        per_stage = (16 if self.kv_copy == "bulk" else 0) + (4 if self.steal_tiles else 0)
+        return 16 + self.warps * self.stages * per_stage
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the rings (reused for the combine), then, in a cluster, the inbox
         where the other CTAs leave their partials (fp32) and log-sum-exps for this CTA's slice."""
@@ -159,13 +179,13 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' appended
-        when K/V arrive through bulk copies)."""
+        when K/V arrive through bulk copies, '-st' when warps steal tiles)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
-                + ("-bulk" if self.kv_copy == "bulk" else ""))
+                + ("-bulk" if self.kv_copy == "bulk" else "") + ("-st" if self.steal_tiles else ""))
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)

@@ -112,7 +112,10 @@ def test_occupancy_arithmetic():
     small = spec.replace(warps=2, tile_tokens=16, chunk_size=32)
     # 35 KB of smem, 64 threads: registers bind at 255 (65536 / (256*32) / 2 = 4 CTAs).
     assert resident_ctas_per_sm(small, 255) == 4
-    assert resident_ctas_per_sm(small, 64) == 6  # then shared memory binds
+    # Then shared memory binds: 228 KB over (34 KB ring + 3 KB cluster inbox + 16 B static + 1 KB
+    # the driver reserves) per CTA is 5.997, so 5.
+    assert small.smem_bytes + small.static_smem_bytes + 1024 == 38928
+    assert resident_ctas_per_sm(small, 64) == 5
 
 
 def test_name_is_stable_and_readable():

@@ -77,3 +77,24 @@ def test_cluster_inbox_sits_past_the_rings_and_the_combine():
         assert spec.smem_bytes == spec.inbox_offset + spec.cluster * (spec.cluster_slice + 16) * 4
     plain = KernelSpec(chunk_size=128, cluster=1)
     assert plain.smem_bytes == plain.inbox_offset  # no inbox without a cluster
+
+
+def test_steal_tiles_needs_split_cp_async_and_a_counter_reset():
+    assert KernelSpec(steal_tiles=True).name.endswith("-st")
+    for bad in ({"variant": "dense"}, {"kv_copy": "bulk"}, {"fused_merge": False, "cluster": 1}):
+        with pytest.raises(ValueError, match="steal_tiles"):
+            KernelSpec(steal_tiles=True, **bad)
+    assert KernelSpec(steal_tiles=True, fused_merge=False, cluster=4).cluster == 4  # the cluster resets
+
+
+def test_clusters_need_sm90():
+    with pytest.raises(ValueError, match="cluster"):
+        KernelSpec(arch="sm_80", cluster=2)
+
+
+def test_static_shared_memory_counts_against_the_limit():
+    # sm_86 allows 99 KB per CTA: a ring that fills it exactly leaves no room for the barriers.
+    with pytest.raises(ValueError, match="shared memory"):
+        KernelSpec(arch="sm_86", head_dim=256, warps=1, tile_tokens=32, stages=3, chunk_size=32)
+    spec = KernelSpec(kv_copy="bulk", steal_tiles=False)
+    assert spec.static_smem_bytes >= 16 * spec.warps * spec.stages

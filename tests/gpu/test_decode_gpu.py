@@ -182,6 +182,10 @@ def test_planner_choice_and_extreme_logits(group):
     {"kv_copy": "bulk", "cluster": 1},
     {"kv_copy": "bulk", "warps": 8, "tile_tokens": 16, "stages": 3, "chunk_size": 128},
     {"kv_copy": "bulk", "warps": 2, "tile_tokens": 64, "chunk_size": 128},
+    {"steal_tiles": True},
+    {"steal_tiles": True, "cluster": 1},
+    {"steal_tiles": True, "cluster": 4, "stages": 3},
+    {"steal_tiles": True, "warps": 8, "tile_tokens": 16, "chunk_size": 128},
 ])
 def test_cta_shapes_clusters_and_separate_merge(changes):
     # 8 and 16 splits: one cluster per row, or rows spanning several clusters merged through
@@ -208,6 +212,16 @@ def test_nan_in_the_cache_past_the_length_never_leaks(variant, kv_copy):
     for head_dim, group in ((128, 4), (64, 16), (256, 1)):
         run_case(head_dim, group, [0, 1, 17, 100, 1000, 250], max_len=1100, variant=variant, num_splits=4,
                  spec_changes={"kv_copy": kv_copy}, nan_tail=True)
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 1), (256, 16), (96, 8)])
+def test_stolen_tiles(head_dim, group):
+    # Warps draw tiles from a per-row counter: every tile is streamed exactly once whatever the
+    # draw order, and rows of different lengths share nothing (the counters' reset between launches
+    # is checked by the CUDA-graph test).
+    run_case(head_dim, group, [65536, 5000, 0, 129, 4096 + 77], variant="split", num_splits=16,
+             spec_changes={"steal_tiles": True, "cluster": 1}, nan_tail=True, max_len=65536)
+    run_case(head_dim, group, [20000, 3], variant="split", num_splits=8, spec_changes={"steal_tiles": True})
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
@@ -277,14 +291,17 @@ def test_return_lse_and_default_path():
     check_close(out_dev, None, ref_dev, None, lens, "bf16", "decode() device seq_lens, sm_scale")
 
 
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("steal_tiles", [False, True])
+def test_cuda_graph_capture_and_replay(steal_tiles):
+    # With steal_tiles the per-row tile counters must be back at zero after every launch.
     num_kv, group, dim = 4, 4, 128
     lens = [3000, 17, 8000, 0]
     q, q64 = random_values((4, num_kv * group, dim), "bf16", 21)
     k, k64 = random_values((4, 8192, num_kv, dim), "bf16", 22)
     v, v64 = random_values((4, 8192, num_kv, dim), "bf16", 23)
     device_lens = cupy.asarray(lens, dtype=cupy.int32)
-    attn = DecodeAttention(num_kv * group, num_kv, dim)
+    spec = default_spec("sm_90", dim, group).replace(steal_tiles=steal_tiles)
+    attn = DecodeAttention(num_kv * group, num_kv, dim, spec=spec)
     plan = attn.plan(device_lens)
     assert plan.variant == "split"
     out = cupy.empty((4, num_kv * group, dim), cupy.uint16)

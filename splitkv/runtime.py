@@ -18,7 +18,7 @@ import numpy as np
 
 from . import tensors
 from .heuristics import default_spec, resident_ctas_per_sm
-from .plan import SplitPlan, fit_clusters, fixed_plan, plan_splits
+from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits
 from .spec import KernelSpec, MergeSpec
 
 _LOG2E = 1.4426950408889634
@@ -108,6 +108,9 @@ class DecodeAttention:
                                          kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
                                          may_resplit=variant is None)
             spec = self.split_spec.replace(cluster=cluster)
+        if plan.tokens_per_split % spec.tile_tokens:  # the programs start tiles at split starts
+            raise RuntimeError(f"planner bug: {plan.tokens_per_split} tokens per split is not a multiple of "
+                               f"the tile ({spec.tile_tokens} tokens); {describe(plan)}")
         decode_fn, _ = load_kernel(spec)
         merge_fn = None
         partial_o = partial_lse = counters = None
@@ -119,7 +122,7 @@ class DecodeAttention:
             num_counters = (2 if spec.steal_tiles else 1) * batch * self.num_kv_heads
             if spec.fused_merge or spec.steal_tiles:
                 counters = self._buffer("counters", num_counters, np.int32, zero=True)
-            if not spec.fused_merge:
+            if not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place
                 merge_fn, _ = load_kernel(self.merge_spec)
         if tensors.is_device_array(seq_lens):  # the caller's array: lengths it rewrites in place reach graph replays
             device_lens = tensors.to_cupy(seq_lens)

@@ -121,8 +121,8 @@ class KernelSpec:
             raise TypeError(f"steal_tiles: expected a bool, got {self.steal_tiles!r}")
         if self.steal_tiles and (self.variant != "split" or self.kv_copy != "cp_async"):
             raise ValueError("steal_tiles: needs the split variant with kv_copy='cp_async'")
-        if self.steal_tiles and self.cluster == 1 and not self.fused_merge:
-            raise ValueError("steal_tiles: without a cluster the fused merge resets the tile counters; "
+        if self.steal_tiles and not self.fused_merge:
+            raise ValueError("steal_tiles: the fused merge (or the cluster merge) resets the tile counters; "
                              "use fused_merge=True")
         if not isinstance(self.fused_merge, bool):
             raise TypeError(f"fused_merge: expected a bool, got {self.fused_merge!r}")

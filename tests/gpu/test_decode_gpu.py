@@ -171,6 +171,7 @@ def test_planner_choice_and_extreme_logits(group):
 @pytest.mark.parametrize("changes", [
     {"fused_merge": False, "cluster": 1},
     {"fused_merge": False, "cluster": 4},
+    {"fused_merge": False, "cluster": 8},  # rows of 8 splits keep their cluster: no separate merge
     {"cluster": 1},
     {"cluster": 2},
     {"cluster": 8},

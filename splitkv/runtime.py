@@ -22,6 +22,8 @@ from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits
 from .spec import KernelSpec, MergeSpec
 
 _LOG2E = 1.4426950408889634
+#: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
+_ALIGN = 16
 _MERGE_THREADS = 128
 
 
@@ -80,17 +82,31 @@ class DecodeAttention:
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
     def plan(self, seq_lens, max_len: int | None = None, *, variant: str | None = None,
-             num_splits: int | None = None) -> SplitPlan:
+             num_splits: int | None = None, stream=None) -> SplitPlan:
         """Choose dense or split for these lengths, compile what that needs, size the workspace.
 
         ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
-        given, bounds the lengths; it defaults to the longest one. ``variant`` (and ``num_splits``
-        for 'split') override the planner's choice, for tests, benchmarks and tuning.
+        given, bounds the lengths and the plan covers it, so lengths rewritten in place in a device
+        ``seq_lens`` may grow up to it between CUDA-graph replays; it defaults to the longest one.
+        ``variant`` (and ``num_splits`` for 'split') override the planner's choice, for tests,
+        benchmarks and tuning. ``stream``: where run() will launch (the same rules as run's); the
+        lengths and the zeroed counters are written there, so they are ordered with the launches
+        of earlier and later steps on that stream.
         """
+        on_device = tensors.is_device_array(seq_lens)
+        with _stream(tensors.stream_ptr(seq_lens if on_device else None, stream)):
+            return self._plan(seq_lens, max_len, variant, num_splits)
+
+    def _plan(self, seq_lens, max_len, variant, num_splits) -> SplitPlan:
         from .codegen.load import load_kernel
 
-        host_lens = self._host_lengths(seq_lens, max_len)
-        batch = host_lens.size
+        lens = self._host_lengths(seq_lens, max_len)
+        batch = lens.size
+        host_lens = lens  # what the plan covers
+        if max_len is not None and int(max_len) > int(lens.max()):
+            # Plan for the longest length allowed, so that a replay with grown lengths is covered.
+            host_lens = lens.copy()
+            host_lens[int(np.argmax(host_lens))] = int(max_len)
         # The split program's registers bound how many CTAs an SM holds, which the planner needs.
         _, split_compiled = load_kernel(self.split_spec)
         ctas_per_sm = resident_ctas_per_sm(self.split_spec, split_compiled.registers)
@@ -128,7 +144,7 @@ class DecodeAttention:
             device_lens = tensors.to_cupy(seq_lens)
         else:
             device_lens = self._buffer("seq_lens", batch, np.int32)
-            device_lens.set(host_lens)
+            device_lens.set(lens)
         workspace = (partial_o, partial_lse, counters)
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, int(host_lens.max(initial=0)),
                                (plan.num_splits, self.num_kv_heads, batch), device_lens, workspace,
@@ -198,9 +214,9 @@ class DecodeAttention:
             lse = _new_output(q, lse=True)
         arrays = (q, k, v, out, lse)
         layout = tuple(_layout(x) for x in arrays)
-        if None in layout[:4] or layout != self._validated_layout:
+        if None in layout or layout != self._validated_layout:
             self._validate(arrays)
-            self._validated_layout = None if None in layout[:4] else layout
+            self._validated_layout = None if None in layout else layout
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(_data_ptr(x)) for x in arrays)
 
         plan, spec = launch.plan, launch.spec
@@ -225,6 +241,10 @@ class DecodeAttention:
         q, k, v, out, lse = arrays
         infos = [tensors.describe(x, name, bf16_from_uint16=True) for x, name in zip(arrays[:4], "q k v out".split())]
         lse_info = tensors.describe(lse, "lse") if lse is not None else None
+        for name, info in zip("q k v out lse".split(), (*infos, lse_info)):
+            if info is not None and info.device is not None and info.device != self.device:
+                raise ValueError(f"{name}: on CUDA device {info.device}, but this DecodeAttention "
+                                 f"runs on device {self.device}")
         shapes = tensors.check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info)
         self._check_against_plan(shapes, self._launch)
 
@@ -263,16 +283,22 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
         seq_lens = np.full(shapes.batch, shapes.max_len, dtype=np.int32)
     elif not tensors.is_device_array(seq_lens):
         tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
-    key = (qi.device, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim, shapes.q_dtype,
-           shapes.kv_dtype, sm_scale)
-    with _instances_lock:
-        attn = _instances.get(key)
-        if attn is None:
-            attn = DecodeAttention(shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
-                                   q_dtype=shapes.q_dtype, kv_dtype=shapes.kv_dtype, sm_scale=sm_scale)
-            _instances[key] = attn
-        attn.plan(seq_lens, max_len=shapes.max_len)
-        return attn.run(q, k, v, out=out, return_lse=return_lse, stream=stream)
+    import cupy
+
+    launch_stream = tensors.stream_ptr(qi, stream)
+    # One instance (and so one workspace) per device, thread and stream: calls that may run at the
+    # same time on the GPU never share partials, counters or lengths.
+    key = (qi.device, threading.get_ident(), launch_stream, shapes.num_qo_heads, shapes.num_kv_heads,
+           shapes.head_dim, shapes.q_dtype, shapes.kv_dtype, sm_scale)
+    with cupy.cuda.Device(qi.device if qi.device is not None else cupy.cuda.Device().id):
+        with _instances_lock:
+            attn = _instances.get(key)
+            if attn is None:
+                attn = DecodeAttention(shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
+                                       q_dtype=shapes.q_dtype, kv_dtype=shapes.kv_dtype, sm_scale=sm_scale)
+                _instances[key] = attn
+        attn.plan(seq_lens, stream=launch_stream)
+        return attn.run(q, k, v, out=out, return_lse=return_lse, stream=launch_stream)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -283,9 +309,9 @@ def _layout(x):
         return ()
     module = type(x).__module__
     if module.startswith("torch"):
-        return ("torch", x.shape, x.stride(), x.dtype, x.get_device())
+        return ("torch", x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % _ALIGN)
     if module.startswith("cupy"):
-        return ("cupy", x.shape, x.strides, x.dtype, x.device.id)
+        return ("cupy", x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % _ALIGN)
     return None
 
 

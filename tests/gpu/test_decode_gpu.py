@@ -393,6 +393,39 @@ def test_bad_inputs_raise():
         splitkv.decode(q, k, k[:, ::2], [1, 2])
 
 
+def test_layout_cache_still_checks_alignment_and_foreign_lse():
+    # After one validated call, a misaligned out, or an lse seen only through
+    # __cuda_array_interface__ with the wrong size, must still be refused.
+    q, _ = random_values((2, 8, 128), "bf16", 3)
+    k, _ = random_values((2, 300, 2, 128), "bf16", 4)
+    attn = DecodeAttention(8, 2, 128)
+    attn.plan([300, 20])
+    lse = cupy.empty((2, 8), cupy.float32)
+    attn.run(q, k, k, out=cupy.empty((2, 8, 128), cupy.uint16), lse=lse)
+    shifted = cupy.empty(2 * 8 * 128 + 1, cupy.uint16)[1:].reshape(2, 8, 128)  # 2 bytes off
+    with pytest.raises(ValueError, match="out"):
+        attn.run(q, k, k, out=shifted, lse=lse)  # the same layout as the first call but for alignment
+    attn.run(q, k, k, out=cupy.empty((2, 8, 128), cupy.uint16), lse=InterfaceOnly(lse))
+    with pytest.raises(ValueError, match="lse"):
+        attn.run(q, k, k, out=cupy.empty((2, 8, 128), cupy.uint16), lse=InterfaceOnly(cupy.empty(3, cupy.float32)))
+
+
+def test_lengths_may_grow_up_to_max_len():
+    # A plan made with max_len covers lengths rewritten in place up to it (CUDA-graph replays).
+    q, q64 = random_values((1, 8, 128), "bf16", 5)
+    k, k64 = random_values((1, 8192, 2, 128), "bf16", 6)
+    v, v64 = random_values((1, 8192, 2, 128), "bf16", 7)
+    device_lens = cupy.asarray([1000], dtype=cupy.int32)
+    attn = DecodeAttention(8, 2, 128)
+    attn.plan(device_lens, max_len=8192)
+    for n in (1000, 5000, 8192):
+        device_lens.fill(n)
+        out = poisoned((1, 8, 128), "bf16")
+        attn.run(q, k, v, out=out)
+        ref_out, ref_lse = reference(q64, k64, v64, [n], 1 / math.sqrt(128))
+        check_close(out, None, ref_out, ref_lse, [n], "bf16", f"grown to {n}: {attn.plan_info}")
+
+
 def test_spec_mismatch_is_refused():
     with pytest.raises(ValueError, match="spec"):
         DecodeAttention(8, 2, 128, spec=KernelSpec(head_dim=64, group_size=4))

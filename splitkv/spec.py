@@ -34,6 +34,10 @@ CLUSTERS = (1, 2, 4, 8, 16)
 #: How K/V rows reach shared memory. cp_async: every lane copies 16-byte pieces (sm_80+).
 #: bulk: one cp.async.bulk per token row on the copy engine, counted on an mbarrier (sm_90+).
 KV_COPIES = ("cp_async", "bulk")
+#: What fills the 16 rows (M) of the m16n8k16 MMAs. heads: the query heads of the group (rows past
+#: the group are idle, so G = 4 uses a quarter of each MMA). tokens: 16 tokens per MMA, the query
+#: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.
+MMA_M = ("heads", "tokens")
 
 #: Shared memory a CTA may use on sm_80+ after opting in (227 KB on sm_90; 163 KB on sm_80).
 MAX_SMEM_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
@@ -92,6 +96,7 @@ class KernelSpec:
     cluster: int = 1
     kv_copy: str = "cp_async"
     steal_tiles: bool = False
+    mma_m: str = "heads"
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
@@ -117,6 +122,10 @@ class KernelSpec:
         _check_choice("kv_copy", self.kv_copy, KV_COPIES)
         if self.kv_copy == "bulk" and arch_number(self.arch) < 90:
             raise ValueError(f"kv_copy: 'bulk' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
+        _check_choice("mma_m", self.mma_m, MMA_M)
+        if self.mma_m == "tokens" and self.group_size > 8:
+            raise ValueError(f"mma_m: 'tokens' puts the query heads on the MMA's 8 columns; "
+                             f"group_size {self.group_size} needs 'heads'")
         if not isinstance(self.steal_tiles, bool):
             raise TypeError(f"steal_tiles: expected a bool, got {self.steal_tiles!r}")
         if self.steal_tiles and (self.variant != "split" or self.kv_copy != "cp_async"):
@@ -179,13 +188,15 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' appended
-        when K/V arrive through bulk copies, '-st' when warps steal tiles)."""
+        when K/V arrive through bulk copies, '-st' when warps steal tiles, '-mt' when tokens fill the
+        MMA rows)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
-                + ("-bulk" if self.kv_copy == "bulk" else "") + ("-st" if self.steal_tiles else ""))
+                + ("-bulk" if self.kv_copy == "bulk" else "") + ("-st" if self.steal_tiles else "")
+                + ("-mt" if self.mma_m == "tokens" else ""))
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)

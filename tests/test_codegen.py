@@ -49,6 +49,18 @@ def test_bulk_copy_kernels_compile_for_sm90(changes):
     assert "cp.async.bulk" in result.source or "bulk_copy_to_smem" in result.source
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("variant", ["dense", "split"])
+def test_tokens_on_the_mma_rows_compile_for_sm90(head_dim, variant):
+    tile = 16 if head_dim > 128 else 32
+    for group in (1, 8):
+        spec = KernelSpec(arch="sm_90", head_dim=head_dim, group_size=group, variant=variant, mma_m="tokens",
+                          tile_tokens=tile, chunk_size=4 * tile, cluster=8 if variant == "split" else 1)
+        result = compile_cubin(spec, use_disk_cache=False)
+        assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
+        assert "movmatrix_trans" in result.source
+
+
 def test_rendered_source_carries_the_parameters():
     spec = KernelSpec(head_dim=96, group_size=3, warps=2, tile_tokens=16, stages=3, chunk_size=64)
     source = render(spec)

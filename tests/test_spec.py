@@ -20,7 +20,7 @@ def test_bad_arch(arch):
 @pytest.mark.parametrize("field, value", [
     ("head_dim", 80), ("group_size", 0), ("group_size", 17), ("q_dtype", "fp32"), ("kv_dtype", "int8"),
     ("variant", "paged"), ("warps", 3), ("tile_tokens", 8), ("stages", 1), ("chunk_size", 0),
-    ("chunk_size", 48), ("kv_copy", "tma"),
+    ("chunk_size", 48), ("kv_copy", "tma"), ("mma_m", "dims"),
 ])
 def test_bad_field_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -98,3 +98,9 @@ def test_static_shared_memory_counts_against_the_limit():
         KernelSpec(arch="sm_86", head_dim=256, warps=1, tile_tokens=32, stages=3, chunk_size=32)
     spec = KernelSpec(kv_copy="bulk", steal_tiles=False)
     assert spec.static_smem_bytes >= 16 * spec.warps * spec.stages
+
+
+def test_tokens_on_the_mma_rows_need_groups_up_to_8():
+    assert KernelSpec(group_size=8, mma_m="tokens").name.endswith("-mt")
+    with pytest.raises(ValueError, match="mma_m"):
+        KernelSpec(group_size=16, mma_m="tokens")

@@ -69,6 +69,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
+// Transposes an 8x8 b16 matrix held one packed pair per lane (lane l: row l/4, columns 2(l%4)
+// and 2(l%4)+1, as ldmatrix delivers it): an accumulator fragment becomes an operand fragment.
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
 // Thread-block clusters (sm_90+): rank in the cluster, a split cluster barrier (arrive early,
 // wait late), and stores into a partner CTA's shared memory.
 __device__ __forceinline__ unsigned cluster_rank() {

@@ -187,6 +187,9 @@ def test_planner_choice_and_extreme_logits(group):
     {"steal_tiles": True, "cluster": 1},
     {"steal_tiles": True, "cluster": 4, "stages": 3},
     {"steal_tiles": True, "warps": 8, "tile_tokens": 16, "chunk_size": 128},
+    {"mma_m": "tokens", "steal_tiles": True},
+    {"mma_m": "tokens", "warps": 8, "tile_tokens": 16, "chunk_size": 128, "cluster": 1},
+    {"mma_m": "tokens", "warps": 2, "tile_tokens": 64, "chunk_size": 128, "kv_copy": "bulk"},
 ])
 def test_cta_shapes_clusters_and_separate_merge(changes):
     # 8 and 16 splits: one cluster per row, or rows spanning several clusters merged through
@@ -204,6 +207,19 @@ def test_bulk_copies(head_dim, variant):
         run_case(head_dim, group, [0, 1, 33, 1077, 4096, 3], variant=variant, num_splits=5,
                  spec_changes={"kv_copy": "bulk"})
     run_case(head_dim, 8, [65536], variant=variant, num_splits=16, num_kv_heads=1, spec_changes={"kv_copy": "bulk"})
+
+
+@pytest.mark.parametrize("variant", ["dense", "split"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_tokens_on_the_mma_rows(head_dim, variant):
+    # K and V as the MMAs' A operands (16 tokens per MMA), Q and P as B (the heads as columns):
+    # every head_dim, groups 1 to 8, lengths ending mid-tile, NaN past the lengths, one long row.
+    changes = {"mma_m": "tokens"}
+    for group in (1, 2, 4, 8):
+        run_case(head_dim, group, [0, 1, 7, 33, 1077, 4096], variant=variant, num_splits=5, spec_changes=changes,
+                 nan_tail=True, max_len=4200)
+    run_case(head_dim, 4, [65536], variant=variant, num_splits=16, num_kv_heads=1, spec_changes=changes)
+    run_case(head_dim, 8, [3000, 5, 0, 4096], spec_changes=changes, q_scale=300.0)  # extreme logits
 
 
 @pytest.mark.parametrize("kv_copy", ["cp_async", "bulk"])

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         out = cupy.empty((b, hq, d), cupy.uint16)
         attn = DecodeAttention(hq, hkv, d)
         variant = "split" if args.splits else None
-        attn.plan([n] * b, variant=variant, num_splits=args.splits)
+        attn.plan([n] * b, variant=variant, num_splits=args.splits, stream=harness.stream)
         launch = attn._launch
         with harness.active():
             timings = {"as rendered": harness.time(lambda: attn.run(q, k, v, out=out))}

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         q, k, v = bf16(b, hq, d), bf16(b, n, hkv, d), bf16(b, n, hkv, d)
         out = cupy.empty((b, hq, d), cupy.uint16)
         attn = DecodeAttention(hq, hkv, d)
-        attn.plan([n] * b)
+        attn.plan([n] * b, stream=harness.stream)
         launch = attn._launch
         num_ctas = int(np.prod(launch.grid))
         module = cupy.RawModule(code=patched_source(render(launch.spec), num_ctas), options=options, backend="nvrtc")

@@ -10,6 +10,7 @@ can be captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -86,12 +87,14 @@ class DecodeAttention:
         """Choose dense or split for these lengths, compile what that needs, size the workspace.
 
         ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
-        given, bounds the lengths and the plan covers it, so lengths rewritten in place in a device
-        ``seq_lens`` may grow up to it between CUDA-graph replays; it defaults to the longest one.
-        ``variant`` (and ``num_splits`` for 'split') override the planner's choice, for tests,
-        benchmarks and tuning. ``stream``: where run() will launch (the same rules as run's); the
-        lengths and the zeroed counters are written there, so they are ordered with the launches
-        of earlier and later steps on that stream.
+        given, bounds the lengths; for a device ``seq_lens`` the plan also covers it, so lengths
+        rewritten in place may grow up to it between CUDA-graph replays. ``variant`` (and
+        ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning.
+        ``stream``: the stream run() will launch on (a CuPy or torch stream, or a handle); the
+        lengths and the zeroed counters are written there, so they are ordered with the kernels of
+        earlier and later steps. Default: torch's current stream for a torch ``seq_lens``, else
+        CuPy's current stream; torch callers with host lengths should pass
+        ``torch.cuda.current_stream()``.
         """
         on_device = tensors.is_device_array(seq_lens)
         with _stream(tensors.stream_ptr(seq_lens if on_device else None, stream)):
@@ -103,8 +106,9 @@ class DecodeAttention:
         lens = self._host_lengths(seq_lens, max_len)
         batch = lens.size
         host_lens = lens  # what the plan covers
-        if max_len is not None and int(max_len) > int(lens.max()):
-            # Plan for the longest length allowed, so that a replay with grown lengths is covered.
+        if tensors.is_device_array(seq_lens) and max_len is not None and int(max_len) > int(lens.max()):
+            # The caller may rewrite these lengths in place up to max_len before a (graph) replay:
+            # plan for the longest one allowed. Host lengths are copied here and cannot grow.
             host_lens = lens.copy()
             host_lens[int(np.argmax(host_lens))] = int(max_len)
         # The split program's registers bound how many CTAs an SM holds, which the planner needs.
@@ -285,20 +289,21 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
         tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
     import cupy
 
-    launch_stream = tensors.stream_ptr(qi, stream)
-    # One instance (and so one workspace) per device, thread and stream: calls that may run at the
-    # same time on the GPU never share partials, counters or lengths.
-    key = (qi.device, threading.get_ident(), launch_stream, shapes.num_qo_heads, shapes.num_kv_heads,
-           shapes.head_dim, shapes.q_dtype, shapes.kv_dtype, sm_scale)
     with cupy.cuda.Device(qi.device if qi.device is not None else cupy.cuda.Device().id):
+        launch_stream = tensors.stream_ptr(qi, stream)
+        # One instance (so one workspace) per device and stream: kernels that may overlap on the
+        # GPU never share partials, counters or lengths; calls on one stream run in order, and
+        # the lock keeps each call's plan and run together on the host.
+        key = (qi.device, launch_stream, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
+               shapes.q_dtype, shapes.kv_dtype, sm_scale)
         with _instances_lock:
             attn = _instances.get(key)
             if attn is None:
                 attn = DecodeAttention(shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
                                        q_dtype=shapes.q_dtype, kv_dtype=shapes.kv_dtype, sm_scale=sm_scale)
                 _instances[key] = attn
-        attn.plan(seq_lens, stream=launch_stream)
-        return attn.run(q, k, v, out=out, return_lse=return_lse, stream=launch_stream)
+            attn.plan(seq_lens, stream=launch_stream)
+            return attn.run(q, k, v, out=out, return_lse=return_lse, stream=launch_stream)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -349,18 +354,30 @@ def _new_output(q, *, lse: bool = False):
 
 _CUPY_CARRIERS = {"bf16": np.uint16, "fp16": np.float16}
 
-_streams: dict[int, object] = {}
+_streams: dict[tuple, object] = {}
 
 
+@contextlib.contextmanager
 def _stream(ptr: int):
-    """A CuPy stream object for a raw handle (cached: creating one per launch costs host time)."""
+    """Makes the stream with handle ``ptr`` CuPy's current one for the block, then gives back the
+    caller's current stream, whether it was entered with ``with`` or set with ``.use()``.
+
+    The CuPy stream objects are cached per (device, handle) and never dropped: creating one per
+    launch costs host time, handle 0 is a different stream on every device, and a collected one
+    would destroy the caller's stream."""
     import cupy
 
-    stream = _streams.get(ptr)
+    key = (cupy.cuda.Device().id, ptr)
+    stream = _streams.get(key)
     if stream is None:
         stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        _streams[ptr] = stream
-    return stream
+        _streams[key] = stream
+    previous = cupy.cuda.get_current_stream()
+    stream.use()
+    try:
+        yield stream
+    finally:
+        previous.use()
 
 
 class _StreamHandle:

@@ -319,11 +319,11 @@ def test_cuda_graph_capture_and_replay(steal_tiles):
     device_lens = cupy.asarray(lens, dtype=cupy.int32)
     spec = default_spec("sm_90", dim, group).replace(steal_tiles=steal_tiles)
     attn = DecodeAttention(num_kv * group, num_kv, dim, spec=spec)
-    plan = attn.plan(device_lens)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    plan = attn.plan(device_lens, stream=stream)  # the lengths and counters are written where run() launches
     assert plan.variant == "split"
     out = cupy.empty((4, num_kv * group, dim), cupy.uint16)
     lse = cupy.empty((4, num_kv * group), cupy.float32)
-    stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         attn.run(q, k, v, out=out, lse=lse)  # warm: nothing left to load lazily
         stream.begin_capture()

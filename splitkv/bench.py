@@ -1253,6 +1253,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Options whose value is a path on the machine that ran the benchmark.
+_PATH_OPTIONS = ("--out", "--markdown")
+
+
+def portable_argv(argv) -> list:
+    """The command line as recorded in the result: path options keep only their last component,
+    so that a result file names no directory of the machine that produced it."""
+    out, argv = [], [str(a) for a in argv]
+    for i, arg in enumerate(argv):
+        option, eq, value = arg.partition("=")
+        if eq and option in _PATH_OPTIONS:
+            arg = f"{option}={Path(value).name}"
+        elif i > 0 and argv[i - 1] in _PATH_OPTIONS:
+            arg = Path(arg).name
+        out.append(arg)
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1312,7 +1330,7 @@ def main(argv=None) -> int:
         "timestamp": now.isoformat(timespec="seconds"),
         "commit": commit,
         "dirty": dirty,
-        "argv": list(sys.argv[1:] if argv is None else argv),
+        "argv": portable_argv(sys.argv[1:] if argv is None else argv),
         "protocol": {"iters": args.iters, "warmup": args.warmup, "flush_bytes": flush_bytes,
                      "timer": "CUDA events around each call, one stream, L2 flushed (memset) before each call",
                      "seed": args.seed, "dtype": "bf16"},

@@ -436,3 +436,10 @@ def test_floor_kernel_compiles_for_sm90_without_a_gpu():
 def test_percentile_matches_math_for_even_count():
     assert bench.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
     assert math.isclose(bench.percentile([0.0, 10.0], 25), 2.5)
+
+
+def test_recorded_command_line_names_no_directory():
+    from splitkv.bench import portable_argv
+
+    argv = ["--iters", "100", "--out", "/some/where/out", "--markdown=/some/where/BENCH.md", "--quick"]
+    assert portable_argv(argv) == ["--iters", "100", "--out", "out", "--markdown=BENCH.md", "--quick"]

@@ -4,27 +4,28 @@
 # --specs steal_tiles=1 --iters 100), the per-phase timeline and the ablations. Logs, the JSON
 # result and a BENCHMARKS.md section land in OUTDIR.
 #
-#   bench/gpu_check.sh OUTDIR [benchmark arguments...]
+#   [PYTHON=python3] bench/gpu_check.sh OUTDIR [benchmark arguments...]
 set -u
+py=${PYTHON:-python3}
 out=${1:?usage: bench/gpu_check.sh OUTDIR [benchmark arguments...]}
 shift
 mkdir -p "$out"
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 
 echo "GPU tests -> $out/tests.log"
-if ! SPLITKV_REQUIRE_GPU=1 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider > "$out/tests.log" 2>&1; then
+if ! SPLITKV_REQUIRE_GPU=1 "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider > "$out/tests.log" 2>&1; then
     grep -E "^FAILED|^ERROR|passed|failed" "$out/tests.log" | tail -20
     exit 1
 fi
 tail -1 "$out/tests.log"
 
 echo "benchmark -> $out/bench.log"
-python -m splitkv.bench --floor-sweep --commit "$commit" --out "$out" --markdown "$out/bench.md" "$@" \
+"$py" -m splitkv.bench --floor-sweep --commit "$commit" --out "$out" --markdown "$out/bench.md" "$@" \
     > "$out/bench.log" 2>&1 || { tail -20 "$out/bench.log"; exit 1; }
 grep -A 20 "^shape" "$out/bench.log"
 
 echo "timeline -> $out/timeline.log"
-python bench/timeline.py > "$out/timeline.log" 2>&1 && cat "$out/timeline.log"
+"$py" bench/timeline.py > "$out/timeline.log" 2>&1 && cat "$out/timeline.log"
 
 echo "ablations -> $out/ablate.log"
-python bench/ablate.py > "$out/ablate.log" 2>&1 && cat "$out/ablate.log"
+"$py" bench/ablate.py > "$out/ablate.log" 2>&1 && cat "$out/ablate.log"

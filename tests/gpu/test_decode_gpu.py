@@ -320,7 +320,8 @@ def test_cuda_graph_capture_and_replay(steal_tiles):
     spec = default_spec("sm_90", dim, group).replace(steal_tiles=steal_tiles)
     attn = DecodeAttention(num_kv * group, num_kv, dim, spec=spec)
     stream = cupy.cuda.Stream(non_blocking=True)
-    plan = attn.plan(device_lens, stream=stream)  # the lengths and counters are written where run() launches
+    cupy.cuda.Device().synchronize()  # the inputs were written on the default stream, which `stream` does not wait for
+    plan = attn.plan(device_lens, stream=stream)  # reads the lengths and zeroes the counters on `stream`
     assert plan.variant == "split"
     out = cupy.empty((4, num_kv * group, dim), cupy.uint16)
     lse = cupy.empty((4, num_kv * group), cupy.float32)

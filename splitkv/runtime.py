@@ -20,7 +20,7 @@ import numpy as np
 from . import tensors
 from .heuristics import default_spec, resident_ctas_per_sm
 from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits
-from .spec import KernelSpec, MergeSpec
+from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -74,7 +74,7 @@ class DecodeAttention:
             raise ValueError(f"spec: {base.name} does not match head_dim={head_dim}, group={self.group_size}, "
                              f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
         self.split_spec = base.replace(arch=self.arch, variant="split")
-        self.dense_spec = base.replace(arch=self.arch, variant="dense", cluster=1, steal_tiles=False)
+        self.dense_spec = base.replace(arch=self.arch, variant="dense", cluster=1, steal_tiles=0)
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
@@ -138,8 +138,9 @@ class DecodeAttention:
             rows = batch * plan.num_splits * self.num_qo_heads
             partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._buffer("partial_lse", rows, np.float32)
-            # [merge counters; tile counters when warps steal tiles], each [batch][num_kv_heads]
-            num_counters = (2 if spec.steal_tiles else 1) * batch * self.num_kv_heads
+            # [merge counters; tile counters when warps steal tiles], each [batch][num_kv_heads],
+            # the tile counters TILE_COUNTER_STRIDE ints apart
+            num_counters = batch * self.num_kv_heads * (1 + (TILE_COUNTER_STRIDE if spec.steal_tiles else 0))
             if spec.fused_merge or spec.steal_tiles:
                 counters = self._buffer("counters", num_counters, np.int32, zero=True)
             if not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place

@@ -37,6 +37,9 @@ KV_COPIES = ("cp_async", "bulk")
 #: What fills the 16 rows (M) of the m16n8k16 MMAs. heads: the query heads of the group (rows past
 #: the group are idle, so G = 4 uses a quarter of each MMA). tokens: 16 tokens per MMA, the query
 #: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.
+STEAL_TILES = (0, 1, 2, 4, 8)
+#: ints between two rows' tile counters: one 128-byte L2 line per row, so rows draw without contending
+TILE_COUNTER_STRIDE = 32
 MMA_M = ("heads", "tokens")
 
 #: Shared memory a CTA may use on sm_80+ after opting in (227 KB on sm_90; 163 KB on sm_80).
@@ -77,9 +80,10 @@ class KernelSpec:
     the planner gives every split a whole number of chunks, so a split never starts mid-tile.
     ``cluster`` consecutive splits of a row run as one thread-block cluster (split variant only) and
     merge their partial results through distributed shared memory, without a trip to global memory.
-    ``steal_tiles``: each warp streams the first ``stages - 1`` tiles of its split, then draws tiles
-    from a per-row counter, so that CTAs which stream faster take over the slower ones' tokens (the
-    result then depends on which warp took which tile, within rounding).
+    ``steal_tiles`` (0: off): each warp streams the first ``stages - 1`` tiles of its split, then
+    draws blocks of ``steal_tiles`` consecutive tiles from a per-row counter, so that CTAs which
+    stream faster take over the slower ones' tokens (the result then depends on which warp took
+    which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter.
     """
 
     arch: str = "sm_90"
@@ -95,7 +99,7 @@ class KernelSpec:
     fused_merge: bool = True
     cluster: int = 1
     kv_copy: str = "cp_async"
-    steal_tiles: bool = False
+    steal_tiles: int = 0
     mma_m: str = "heads"
 
     def __post_init__(self):
@@ -126,8 +130,9 @@ class KernelSpec:
         if self.mma_m == "tokens" and self.group_size > 8:
             raise ValueError(f"mma_m: 'tokens' puts the query heads on the MMA's 8 columns; "
                              f"group_size {self.group_size} needs 'heads'")
-        if not isinstance(self.steal_tiles, bool):
-            raise TypeError(f"steal_tiles: expected a bool, got {self.steal_tiles!r}")
+        if isinstance(self.steal_tiles, bool) or not isinstance(self.steal_tiles, int):
+            raise TypeError(f"steal_tiles: expected an int (tiles per draw; 0: off), got {self.steal_tiles!r}")
+        _check_choice("steal_tiles", self.steal_tiles, STEAL_TILES)
         if self.steal_tiles and (self.variant != "split" or self.kv_copy != "cp_async"):
             raise ValueError("steal_tiles: needs the split variant with kv_copy='cp_async'")
         if self.steal_tiles and not self.fused_merge:
@@ -188,14 +193,14 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' appended
-        when K/V arrive through bulk copies, '-st' when warps steal tiles, '-mt' when tokens fill the
-        MMA rows)."""
+        when K/V arrive through bulk copies, '-st4' when warps steal tiles 4 at a time, '-mt' when
+        tokens fill the MMA rows)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
-                + ("-bulk" if self.kv_copy == "bulk" else "") + ("-st" if self.steal_tiles else "")
+                + ("-bulk" if self.kv_copy == "bulk" else "") + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
                 + ("-mt" if self.mma_m == "tokens" else ""))
 
     def replace(self, **changes) -> "KernelSpec":

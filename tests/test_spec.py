@@ -80,11 +80,16 @@ def test_cluster_inbox_sits_past_the_rings_and_the_combine():
 
 
 def test_steal_tiles_needs_split_cp_async_and_a_counter_reset():
-    assert KernelSpec(steal_tiles=True).name.endswith("-st")
+    assert KernelSpec(steal_tiles=4).name.endswith("-st4")
+    assert not KernelSpec(steal_tiles=0).name.endswith("-st0")
     for bad in ({"variant": "dense"}, {"kv_copy": "bulk"}, {"fused_merge": False, "cluster": 1},
                 {"fused_merge": False, "cluster": 4}):
         with pytest.raises(ValueError, match="steal_tiles"):
-            KernelSpec(steal_tiles=True, **bad)
+            KernelSpec(steal_tiles=1, **bad)
+    with pytest.raises(ValueError, match="steal_tiles"):
+        KernelSpec(steal_tiles=3)
+    with pytest.raises(TypeError, match="steal_tiles"):
+        KernelSpec(steal_tiles=True)  # a count of tiles, not a switch
 
 
 def test_clusters_need_sm90():
@@ -96,7 +101,7 @@ def test_static_shared_memory_counts_against_the_limit():
     # sm_86 allows 99 KB per CTA: a ring that fills it exactly leaves no room for the barriers.
     with pytest.raises(ValueError, match="shared memory"):
         KernelSpec(arch="sm_86", head_dim=256, warps=1, tile_tokens=32, stages=3, chunk_size=32)
-    spec = KernelSpec(kv_copy="bulk", steal_tiles=False)
+    spec = KernelSpec(kv_copy="bulk", steal_tiles=0)
     assert spec.static_smem_bytes >= 16 * spec.warps * spec.stages
 
 

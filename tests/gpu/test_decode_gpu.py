@@ -183,11 +183,11 @@ def test_planner_choice_and_extreme_logits(group):
     {"kv_copy": "bulk", "cluster": 1},
     {"kv_copy": "bulk", "warps": 8, "tile_tokens": 16, "stages": 3, "chunk_size": 128},
     {"kv_copy": "bulk", "warps": 2, "tile_tokens": 64, "chunk_size": 128},
-    {"steal_tiles": True},
-    {"steal_tiles": True, "cluster": 1},
-    {"steal_tiles": True, "cluster": 4, "stages": 3},
-    {"steal_tiles": True, "warps": 8, "tile_tokens": 16, "chunk_size": 128},
-    {"mma_m": "tokens", "steal_tiles": True},
+    {"steal_tiles": 1},
+    {"steal_tiles": 4, "cluster": 1},
+    {"steal_tiles": 2, "cluster": 4, "stages": 3},
+    {"steal_tiles": 8, "warps": 8, "tile_tokens": 16, "chunk_size": 128},
+    {"mma_m": "tokens", "steal_tiles": 4},
     {"mma_m": "tokens", "warps": 8, "tile_tokens": 16, "chunk_size": 128, "cluster": 1},
     {"mma_m": "tokens", "warps": 2, "tile_tokens": 64, "chunk_size": 128, "kv_copy": "bulk"},
 ])
@@ -231,14 +231,14 @@ def test_nan_in_the_cache_past_the_length_never_leaks(variant, kv_copy):
                  spec_changes={"kv_copy": kv_copy}, nan_tail=True)
 
 
-@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 1), (256, 16), (96, 8)])
-def test_stolen_tiles(head_dim, group):
-    # Warps draw tiles from a per-row counter: every tile is streamed exactly once whatever the
-    # draw order, and rows of different lengths share nothing (the counters' reset between launches
-    # is checked by the CUDA-graph test).
+@pytest.mark.parametrize("head_dim, group, steal", [(128, 4, 1), (128, 4, 4), (64, 1, 8), (256, 16, 2), (96, 8, 4)])
+def test_stolen_tiles(head_dim, group, steal):
+    # Warps draw blocks of `steal` tiles from a per-row counter: every tile is streamed exactly once
+    # whatever the draw order, draws may straddle splits, and rows of different lengths share
+    # nothing (the counters' reset between launches is checked by the CUDA-graph test).
     run_case(head_dim, group, [65536, 5000, 0, 129, 4096 + 77], variant="split", num_splits=16,
-             spec_changes={"steal_tiles": True, "cluster": 1}, nan_tail=True, max_len=65536)
-    run_case(head_dim, group, [20000, 3], variant="split", num_splits=8, spec_changes={"steal_tiles": True})
+             spec_changes={"steal_tiles": steal, "cluster": 1}, nan_tail=True, max_len=65536)
+    run_case(head_dim, group, [20000, 3], variant="split", num_splits=8, spec_changes={"steal_tiles": steal})
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
@@ -308,7 +308,7 @@ def test_return_lse_and_default_path():
     check_close(out_dev, None, ref_dev, None, lens, "bf16", "decode() device seq_lens, sm_scale")
 
 
-@pytest.mark.parametrize("steal_tiles", [False, True])
+@pytest.mark.parametrize("steal_tiles", [0, 4])
 def test_cuda_graph_capture_and_replay(steal_tiles):
     # With steal_tiles the per-row tile counters must be back at zero after every launch.
     num_kv, group, dim = 4, 4, 128

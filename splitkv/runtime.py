@@ -74,7 +74,10 @@ class DecodeAttention:
             raise ValueError(f"spec: {base.name} does not match head_dim={head_dim}, group={self.group_size}, "
                              f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
         self.split_spec = base.replace(arch=self.arch, variant="split")
-        self.dense_spec = base.replace(arch=self.arch, variant="dense", cluster=1, steal_tiles=0)
+        if spec is None:  # the built-in shapes differ between the programs
+            self.dense_spec = default_spec(self.arch, head_dim, self.group_size, q_dtype, kv_dtype, "dense")
+        else:
+            self.dense_spec = base.replace(arch=self.arch, variant="dense", cluster=1, steal_tiles=0)
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None

@@ -12,6 +12,7 @@ same split length and so needs fewer splits.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,8 @@ class SplitPlan:
     ``splits_per_seq[b]`` splits of ``tokens_per_split`` tokens cover sequence ``b`` (the last one
     shorter); it is at least 1, so an empty sequence still gets the CTA that writes its zeros and
     ``-inf``. The grid is ``B x num_kv_heads x num_splits``; CTAs past a sequence's last split exit.
+    ``num_splits`` is the longest row's split count, or more when the grid is padded to whole
+    thread-block clusters (see ``fit_clusters``).
     """
 
     variant: str
@@ -118,42 +121,67 @@ def fixed_plan(seq_lens, num_kv_heads, *, variant, chunk_size, num_splits=None):
 
 
 def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resident_clusters,
-                 kv_bytes_per_token, may_resplit=True, max_split_bytes=CLUSTER_SPLIT_BYTES):
-    """The thread-block cluster size for a split plan, and the plan (possibly with fewer splits).
+                 kv_bytes_per_token, may_resplit=True, max_split_bytes=CLUSTER_SPLIT_BYTES, multi_cluster=True):
+    """The thread-block cluster size for a split plan, and the plan (possibly with other split counts).
 
     A row's splits merge through distributed shared memory when they form one cluster: the split
     count is a power of two up to ``max_cluster`` and every row's cluster is resident at once
     (``resident_clusters(c)`` gives how many clusters of ``c`` CTAs the GPU holds, None when it
     cannot say; clusters need their CTAs in one GPC, which can leave SMs idle). Otherwise the
     cluster size is 1 and partials merge through global memory, which costs a fixed tail of
-    about 2 µs on an H200 (written, fenced, counted, read back). Where each split streams little
-    (at most ``max_split_bytes`` of K/V), fewer and longer splits in one cluster cost less than
-    that tail, so with ``may_resplit`` the largest power-of-two split count that fits is taken
-    instead (H200, B=1, 8 K/V heads, 4k tokens: 8 splits stream as fast as 16).
+    about 2 µs on an H200 (written, fenced, counted, read back), growing with the number of
+    partials the row's last CTA reads back.
+
+    Where each split streams little (at most ``max_split_bytes`` of K/V), fewer and longer splits in
+    one cluster cost less than the global tail, so with ``may_resplit`` the largest power-of-two
+    split count that fits is taken instead (H200, B=1, 8 K/V heads, 4k tokens: 8 splits stream as
+    fast as 16).
+
+    Failing both, rows of more splits than the largest cluster (``multi_cluster``, which needs
+    the fused merge) run as several clusters each: every cluster merges its splits in shared
+    memory and writes one partial, so the row's last CTA reads one partial per cluster instead of
+    one per split. The split count is rounded to a multiple of the cluster (kept exactly without
+    ``may_resplit``), and all the clusters must be resident at once.
     """
     rows = np.asarray(seq_lens).size * num_kv_heads
+
+    def resident(cluster, count):
+        held = resident_clusters(cluster)
+        return held is not None and count <= held
 
     def fits(splits):
         if splits < 2 or splits > max_cluster or splits & (splits - 1):
             return False
-        resident = resident_clusters(splits)
-        return resident is not None and rows <= resident
+        return resident(splits, rows)
 
     if plan.variant != "split":
         return plan, 1
     if fits(plan.num_splits):
         return plan, plan.num_splits
-    if not may_resplit:
-        return plan, 1
-    splits = 1 << (min(plan.num_splits, max_cluster).bit_length() - 1)
-    while splits >= 2 and not fits(splits):
-        splits //= 2
-    if splits < 2:
-        return plan, 1
-    candidate = fixed_plan(seq_lens, num_kv_heads, variant="split", chunk_size=chunk_size, num_splits=splits)
-    if candidate.num_splits != splits or candidate.tokens_per_split * kv_bytes_per_token > max_split_bytes:
-        return plan, 1
-    return candidate, splits
+    if may_resplit:  # short splits: fewer, longer ones in one cluster per row
+        splits = 1 << (min(plan.num_splits, max_cluster).bit_length() - 1)
+        while splits >= 2 and not fits(splits):
+            splits //= 2
+        if splits >= 2:
+            candidate = fixed_plan(seq_lens, num_kv_heads, variant="split", chunk_size=chunk_size, num_splits=splits)
+            if candidate.num_splits == splits and candidate.tokens_per_split * kv_bytes_per_token <= max_split_bytes:
+                return candidate, splits
+    if multi_cluster and plan.num_splits > max_cluster:  # several clusters per row, each as large as fits
+        cluster = 1 << (max_cluster.bit_length() - 1)
+        while cluster >= 2:
+            per_row = round(plan.num_splits / cluster)
+            grid = per_row * cluster
+            if per_row >= 2 and (may_resplit or grid == plan.num_splits) and resident(cluster, rows * per_row):
+                candidate = plan
+                if grid != plan.num_splits:
+                    candidate = fixed_plan(seq_lens, num_kv_heads, variant="split", chunk_size=chunk_size,
+                                           num_splits=grid)
+                # Chunk rounding can leave the longest row a few splits short of the grid: the grid
+                # is padded to whole clusters (their CTAs past the length stream nothing).
+                if grid - cluster < candidate.num_splits <= grid:
+                    return dataclasses.replace(candidate, num_splits=grid, num_ctas=rows * grid), cluster
+            cluster //= 2
+    return plan, 1
 
 
 def describe(plan: SplitPlan) -> str:

@@ -129,7 +129,8 @@ class DecodeAttention:
                                          max_cluster=self.split_spec.cluster,
                                          resident_clusters=self._max_active_clusters,
                                          kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
-                                         may_resplit=variant is None)
+                                         may_resplit=variant is None,
+                                         multi_cluster=self.split_spec.fused_merge)
             spec = self.split_spec.replace(cluster=cluster)
         if plan.tokens_per_split % spec.tile_tokens:  # the programs start tiles at split starts
             raise RuntimeError(f"planner bug: {plan.tokens_per_split} tokens per split is not a multiple of "

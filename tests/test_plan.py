@@ -193,6 +193,37 @@ def test_non_power_of_two_split_counts():
     assert cluster == 1 and chosen == plan
 
 
+def test_rows_of_many_splits_run_as_several_clusters():
+    # One K/V head, 64 long splits: four clusters of 16, each leaving one partial for the last CTA.
+    plan, (chosen, cluster) = _fit([65536], 1, 64)
+    assert cluster == 16 and chosen == plan
+    # 128 splits: 8 clusters of 16 are not resident (7), nor 16 of 8 (15), nor 32 of 4 (30): pairs.
+    plan, (chosen, cluster) = _fit([524288], 1, 128)
+    assert cluster == 2 and chosen == plan
+    # A split count between multiples is rounded to the nearest one (43 -> 3 x 16)...
+    plan, (chosen, cluster) = _fit([65536], 2, 45)
+    assert cluster == 16 and chosen.num_splits == 48
+    assert int(chosen.splits_per_seq.max()) * chosen.tokens_per_split >= 65536
+    # ...but not in a forced plan, which keeps its count (43 once chunk-rounded: no multiple of 2).
+    plan, (chosen, cluster) = _fit([65536], 2, 45, may_resplit=False)
+    assert cluster == 1 and chosen == plan
+    plan, (chosen, cluster) = _fit([65536], 2, 32, may_resplit=False)
+    assert cluster == 16 and chosen == plan
+    # Chunk rounding leaves 47 splits of a 48-split grid: padded to whole clusters.
+    plan, (chosen, cluster) = _fit([65536], 2, 46)
+    assert cluster == 16 and chosen.num_splits == 48 and int(chosen.splits_per_seq.max()) == 47
+    assert chosen.num_ctas == 2 * 48
+
+
+def test_several_clusters_per_row_need_the_fused_merge_and_more_splits_than_a_cluster():
+    plan = fixed_plan([65536], 1, variant="split", chunk_size=128, num_splits=64)
+    assert fit_clusters(plan, [65536], 1, chunk_size=128, max_cluster=16, resident_clusters=_H200_ONE_CTA_PER_SM.get,
+                        kv_bytes_per_token=512, multi_cluster=False) == (plan, 1)
+    # 16 splits of 8 rows: no single cluster fits and a row has no more splits than one cluster.
+    plan, (chosen, cluster) = _fit([65536], 8, 16)
+    assert cluster == 1 and chosen == plan
+
+
 def test_dense_plans_have_no_cluster():
     plan = fixed_plan([100, 50], 2, variant="dense", chunk_size=128)
     assert fit_clusters(plan, [100, 50], 2, chunk_size=128, max_cluster=16, resident_clusters=lambda c: 99,

@@ -233,3 +233,23 @@ def test_emulator_runs_planner_output(rng, num_sms, ctas_per_sm, chunk_size):
     assert plan.variant == "split"
     assert_matches(*emulate_split_decode(q, k, v, lens, plan, sm_scale=0.2),
                    *attention_reference(q, k, v, lens, sm_scale=0.2))
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 16])
+def test_merge_in_two_levels_matches_the_flat_merge(rng, cluster):
+    # Rows of several clusters: each cluster merges its splits into one partial (its base-2 LSE
+    # kept), then the row merges the cluster partials; clusters past a row's last split are empty.
+    tps, splits = 7, 3 * cluster
+    q, k, v, lens = make_inputs(rng, [tps * splits, tps * cluster + 3, 1, 0], num_kv_heads=2, group=4)
+    partial_o, partial_lse2 = split_partials(q, k, v, lens, tps, splits)
+    counts = np.maximum(-(-lens // tps), 1)
+    clusters_used = -(-counts // cluster)
+    level_o, level_lse = [], []
+    for c in range(splits // cluster):
+        part = slice(c * cluster, (c + 1) * cluster)
+        o, lse = merge_partials(partial_o[:, part], partial_lse2[:, part], np.clip(counts - c * cluster, 0, cluster))
+        level_o.append(o)
+        level_lse.append(lse / math.log(2))
+    got = merge_partials(np.stack(level_o, axis=1), np.stack(level_lse, axis=1), clusters_used)
+    assert_matches(*got, *merge_partials(partial_o, partial_lse2, counts))
+    assert_matches(*got, *attention_reference(q, k, v, lens))

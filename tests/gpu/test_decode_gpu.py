@@ -104,7 +104,7 @@ def check_close(out, lse, ref_out, ref_lse, lens, dtype, label, tol_dtype=None):
 
 
 def run_case(head_dim, group, lens, *, variant=None, num_splits=None, dtype="bf16", num_kv_heads=2,
-             max_len=None, spec_changes=None, q_scale=1.0, nan_tail=False):
+             max_len=None, spec_changes=None, q_scale=1.0, nan_tail=False, expect_cluster=None):
     lens = [int(n) for n in lens]
     max_len = max_len or max(max(lens), 1)
     batch = len(lens)
@@ -123,6 +123,10 @@ def run_case(head_dim, group, lens, *, variant=None, num_splits=None, dtype="bf1
         spec = default_spec("sm_90", head_dim, group, dtype, dtype).replace(**spec_changes)
     attn = DecodeAttention(num_qo, num_kv_heads, head_dim, q_dtype=dtype, kv_dtype=dtype, spec=spec)
     plan = attn.plan(lens, variant=variant, num_splits=num_splits)
+    if expect_cluster == "several":  # rows of more than one cluster each
+        assert 1 < attn._launch.spec.cluster < plan.num_splits, attn.plan_info
+    elif expect_cluster is not None:  # the layout the test is about was really planned
+        assert attn._launch.spec.cluster == expect_cluster, attn.plan_info
     out = poisoned((batch, num_qo, head_dim), dtype)
     lse = cupy.full((batch, num_qo), cupy.nan, dtype=cupy.float32)
     attn.run(q, k, v, out=out, lse=lse)
@@ -239,6 +243,25 @@ def test_stolen_tiles(head_dim, group, steal):
     run_case(head_dim, group, [65536, 5000, 0, 129, 4096 + 77], variant="split", num_splits=16,
              spec_changes={"steal_tiles": steal, "cluster": 1}, nan_tail=True, max_len=65536)
     run_case(head_dim, group, [20000, 3], variant="split", num_splits=8, spec_changes={"steal_tiles": steal})
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 16), (256, 8), (96, 1)])
+@pytest.mark.parametrize("cluster, splits, lens", [(16, 32, [65536, 5000, 0]), (16, 64, [65536]),
+                                                   (8, 32, [65536, 129]), (2, 64, [65536, 3000])])
+def test_rows_of_several_clusters(head_dim, group, cluster, splits, lens):
+    # Each cluster merges its splits in shared memory and writes one partial; the row's last CTA
+    # merges those. Shorter rows leave whole clusters empty; NaN past the lengths. (Few rows, so
+    # that every cluster is resident at once, as the planner requires.)
+    run_case(head_dim, group, lens, variant="split", num_splits=splits, num_kv_heads=1, max_len=65536,
+             spec_changes={"cluster": cluster}, nan_tail=True, expect_cluster=cluster)
+    run_case(head_dim, group, [65536], variant="split", num_splits=splits, num_kv_heads=1,
+             spec_changes={"cluster": cluster, "steal_tiles": 4}, q_scale=100.0, expect_cluster=cluster)
+
+
+def test_planner_takes_several_clusters_for_rows_of_many_splits():
+    # One K/V head over a long context: more splits than one cluster, merged in two levels.
+    plan = run_case(128, 8, [65536], num_kv_heads=1, expect_cluster="several")
+    assert plan.variant == "split"
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])

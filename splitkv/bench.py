@@ -159,6 +159,7 @@ DEFAULT_SHAPES = parse_shapes([
     "1:32:32:128:4k", "1:32:32:128:64k",
     "16:32:8:128:4k", "64:32:8:128:1k",
     "1:64:8:128:32k", "1:16:2:256:16k",
+    "1:8:1:128:64k",  # one K/V head per GPU, as 8-way tensor parallelism leaves an 8-K/V-head model
 ])
 #: One launch-bound, one bandwidth-bound and one batched shape.
 QUICK_SHAPES = parse_shapes(["1:32:8:128:4k", "1:32:8:128:64k", "16:32:8:128:4k"])

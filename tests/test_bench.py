@@ -50,12 +50,12 @@ def test_parse_shapes_splits_commas_and_spaces():
         parse_shapes([" , "])
 
 
-def test_default_shapes_are_the_bf16_reference_rows():
+def test_default_shapes_are_the_bf16_reference_rows_and_one_kv_head():
     labels = [s.label for s in bench.DEFAULT_SHAPES]
     assert labels == [
         "1, 32/8, 128, 1k", "1, 32/8, 128, 4k", "1, 32/8, 128, 16k", "1, 32/8, 128, 64k",
         "1, 32/8, 128, 128k", "1, 32/32, 128, 4k", "1, 32/32, 128, 64k", "16, 32/8, 128, 4k",
-        "64, 32/8, 128, 1k", "1, 64/8, 128, 32k", "1, 16/2, 256, 16k",
+        "64, 32/8, 128, 1k", "1, 64/8, 128, 32k", "1, 16/2, 256, 16k", "1, 8/1, 128, 64k",
     ]
     assert len(bench.QUICK_SHAPES) == 3
     assert set(bench.QUICK_SHAPES) <= set(bench.DEFAULT_SHAPES)

@@ -1,0 +1,81 @@
+"""Time variants of splitkv's program and plan side by side, per shape, under the benchmark's protocol.
+
+Each variant is a comma list of KernelSpec fields replaced in the built-in spec (as the
+benchmark's ``--specs``), plus two plan keys: ``splits=N`` forces the split variant with N splits
+(the planner still picks the cluster size), ``splits=0`` forces the dense program. An empty
+variant ("") is splitkv as shipped. No peers, no correctness check: this is for choosing among
+variants; the benchmark and the GPU tests vouch for what ships.
+
+    python bench/variants.py --shapes 1:8:1:128:64k --variants "" cluster=1 "cluster=1,splits=32"
+    python bench/variants.py --shapes 64:32:8:128:1k --variants "" "tile_tokens=32,chunk_size=128,stages=2,splits=0"
+
+Needs a GPU and CuPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from splitkv import DecodeAttention
+from splitkv.bench import Harness, parse_shapes, parse_spec_override
+from splitkv.floor import ReadFloor
+from splitkv.heuristics import default_spec
+
+
+def parse_variant(text: str) -> tuple[dict, int | None]:
+    """'cluster=1,splits=32' -> ({'cluster': 1}, 32); the spec fields are checked as --specs checks them."""
+    pairs = [p for p in text.split(",") if p.strip()]
+    splits = None
+    rest = []
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key.strip() == "splits":
+            splits = int(value)
+            if splits < 0:
+                raise ValueError(f"variant {text!r}: splits must be >= 0 (0: dense)")
+        else:
+            rest.append(pair)
+    return (parse_spec_override(",".join(rest)) if rest else {}), splits
+
+
+def main(argv=None) -> int:
+    import cupy
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L (L may be written 4k)")
+    parser.add_argument("--variants", nargs="+", default=[""], help='field=value,...[,splits=N]; "" = as shipped')
+    parser.add_argument("--iters", type=int, default=100)
+    args = parser.parse_args(argv)
+    variants = [(text, *parse_variant(text)) for text in args.variants]
+
+    harness = Harness(args.iters, 5, 256 << 20)
+    shapes = parse_shapes(args.shapes)
+    floor = ReadFloor(max(s.total_bytes for s in shapes))
+    for shape in shapes:
+        b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
+        rng = cupy.random.default_rng(0)
+
+        def bf16(*dims):
+            bits = rng.standard_normal(dims, dtype=cupy.float32).view(cupy.uint32)
+            return (bits >> 16).astype(cupy.uint16)
+
+        q, k, v = bf16(b, hq, d), bf16(b, n, hkv, d), bf16(b, n, hkv, d)
+        out = cupy.empty((b, hq, d), cupy.uint16)
+        with harness.active():
+            floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
+        print(f"{shape.label}: read floor {floor_us:.1f} µs", flush=True)
+        for text, changes, splits in variants:
+            spec = default_spec("sm_" + cupy.cuda.Device().compute_capability, d, hq // hkv).replace(**changes) \
+                if changes else None
+            attn = DecodeAttention(hq, hkv, d, spec=spec)
+            variant = None if splits is None else ("dense" if splits == 0 else "split")
+            attn.plan([n] * b, variant=variant, num_splits=splits or None, stream=harness.stream)
+            with harness.active():
+                t = statistics.median(harness.time(lambda: attn.run(q, k, v, out=out)))
+            print(f"  {t:8.2f} µs  {text or '(as shipped)':40s} {attn.plan_info}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

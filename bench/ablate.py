@@ -18,7 +18,7 @@ import os
 import statistics
 
 from splitkv import DecodeAttention
-from splitkv.bench import Harness, parse_shapes
+from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
 from splitkv.codegen.compile import cuda_include_dirs
 from splitkv.codegen.render import DECODE_KERNEL, render
 from splitkv.floor import ReadFloor
@@ -64,8 +64,6 @@ def patched_kernel(spec, patch):
 
 
 def main(argv=None) -> int:
-    import cupy
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:4k", "1:32:8:128:64k"])
     parser.add_argument("--splits", type=int, default=None, help="force this split count (default: the planner's)")
@@ -77,12 +75,7 @@ def main(argv=None) -> int:
     rows = []
     for shape in parse_shapes(args.shapes):
         b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
-        rng = cupy.random.default_rng(0)
-        def bf16(*dims):
-            bits = rng.standard_normal(dims, dtype=cupy.float32).view(cupy.uint32)
-            return (bits >> 16).astype(cupy.uint16)
-        q, k, v = bf16(b, hq, d), bf16(b, n, hkv, d), bf16(b, n, hkv, d)
-        out = cupy.empty((b, hq, d), cupy.uint16)
+        q, k, v, out = random_bf16_qkv(shape)
         attn = DecodeAttention(hq, hkv, d)
         variant = "split" if args.splits else None
         attn.plan([n] * b, variant=variant, num_splits=args.splits, stream=harness.stream)

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     import cupy
 
     from splitkv import DecodeAttention
-    from splitkv.bench import Harness, parse_shapes
+    from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
     from splitkv.codegen.compile import cuda_include_dirs
     from splitkv.codegen.render import DECODE_KERNEL, render
 
@@ -105,11 +105,7 @@ def main(argv=None) -> int:
     options = ("--std=c++17", f"-I{templates}", *(f"-I{d}" for d in cuda_include_dirs()))
     for shape in parse_shapes(args.shapes):
         b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
-        rng = cupy.random.default_rng(0)
-        def bf16(*dims):
-            return (rng.standard_normal(dims, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
-        q, k, v = bf16(b, hq, d), bf16(b, n, hkv, d), bf16(b, n, hkv, d)
-        out = cupy.empty((b, hq, d), cupy.uint16)
+        q, k, v, out = random_bf16_qkv(shape)
         attn = DecodeAttention(hq, hkv, d)
         attn.plan([n] * b, stream=harness.stream)
         launch = attn._launch

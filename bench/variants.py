@@ -18,7 +18,7 @@ import argparse
 import statistics
 
 from splitkv import DecodeAttention
-from splitkv.bench import Harness, parse_shapes, parse_spec_override
+from splitkv.bench import Harness, parse_shapes, parse_spec_override, random_bf16_qkv
 from splitkv.floor import ReadFloor
 from splitkv.heuristics import default_spec
 
@@ -54,14 +54,7 @@ def main(argv=None) -> int:
     floor = ReadFloor(max(s.total_bytes for s in shapes))
     for shape in shapes:
         b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
-        rng = cupy.random.default_rng(0)
-
-        def bf16(*dims):
-            bits = rng.standard_normal(dims, dtype=cupy.float32).view(cupy.uint32)
-            return (bits >> 16).astype(cupy.uint16)
-
-        q, k, v = bf16(b, hq, d), bf16(b, n, hkv, d), bf16(b, n, hkv, d)
-        out = cupy.empty((b, hq, d), cupy.uint16)
+        q, k, v, out = random_bf16_qkv(shape)
         with harness.active():
             floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
         print(f"{shape.label}: read floor {floor_us:.1f} µs", flush=True)

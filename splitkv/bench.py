@@ -797,6 +797,18 @@ def _cupy_bf16_randn(rng, shape):
     return bits.astype(cupy.uint16)
 
 
+def random_bf16_qkv(shape: Shape, seed: int = 0):
+    """CuPy q [B, Hq, D], k and v [B, L, Hkv, D] of random bf16 values (uint16 bits), and an empty
+    out like q: the inputs of the tools that time splitkv alone (bench/ablate.py and others)."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
+    q = _cupy_bf16_randn(rng, (b, hq, d))
+    k, v = _cupy_bf16_randn(rng, (b, n, hkv, d)), _cupy_bf16_randn(rng, (b, n, hkv, d))
+    return q, k, v, cupy.empty_like(q)
+
+
 def reference_output(inputs: Inputs):
     """fp32 attention of the bf16 inputs (torch only), query head h reading K/V head h // group."""
     torch = inputs.torch

@@ -140,8 +140,10 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
     Failing both, rows of more splits than the largest cluster (``multi_cluster``, which needs
     the fused merge) run as several clusters each: every cluster merges its splits in shared
     memory and writes one partial, so the row's last CTA reads one partial per cluster instead of
-    one per split. The split count is rounded to a multiple of the cluster (kept exactly without
-    ``may_resplit``), and all the clusters must be resident at once.
+    one per split. With ``may_resplit`` the split count is re-chosen: the largest cluster size of
+    which at least two per row are resident, and as many of those clusters as are resident but
+    one (the grid padded to whole clusters); without it, the count is kept and must be a multiple
+    of the cluster.
     """
     rows = np.asarray(seq_lens).size * num_kv_heads
 
@@ -167,18 +169,26 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
             if candidate.num_splits == splits and candidate.tokens_per_split * kv_bytes_per_token <= max_split_bytes:
                 return candidate, splits
     if multi_cluster and plan.num_splits > max_cluster:  # several clusters per row, each as large as fits
+        max_len = max(int(np.max(seq_lens)), 1)
         cluster = 1 << (max_cluster.bit_length() - 1)
         while cluster >= 2:
-            per_row = round(plan.num_splits / cluster)
-            grid = per_row * cluster
-            if per_row >= 2 and (may_resplit or grid == plan.num_splits) and resident(cluster, rows * per_row):
+            held = resident_clusters(cluster)
+            if may_resplit:
+                # As many clusters as are resident, but one: measured on an H200 (one CTA per SM),
+                # 6 clusters of 16 per K/V head beat both 4 of 16 and 64 splits in pairs, and 7
+                # lost to 6. No split under a chunk.
+                per_row = min(((held or 0) - 1) // rows, _ceil_div(max_len, chunk_size) // cluster)
+            else:
+                per_row = plan.num_splits // cluster if plan.num_splits % cluster == 0 else 0
+            if per_row >= 2 and resident(cluster, rows * per_row):
                 candidate = plan
-                if grid != plan.num_splits:
+                if per_row * cluster != plan.num_splits:
                     candidate = fixed_plan(seq_lens, num_kv_heads, variant="split", chunk_size=chunk_size,
-                                           num_splits=grid)
-                # Chunk rounding can leave the longest row a few splits short of the grid: the grid
-                # is padded to whole clusters (their CTAs past the length stream nothing).
-                if grid - cluster < candidate.num_splits <= grid:
+                                           num_splits=per_row * cluster)
+                # Chunk rounding can leave the longest row short of the grid: the grid is padded
+                # to whole clusters (their CTAs past the length stream nothing).
+                grid = -(-candidate.num_splits // cluster) * cluster
+                if grid // cluster >= 2:
                     return dataclasses.replace(candidate, num_splits=grid, num_ctas=rows * grid), cluster
             cluster //= 2
     return plan, 1

@@ -194,25 +194,29 @@ def test_non_power_of_two_split_counts():
 
 
 def test_rows_of_many_splits_run_as_several_clusters():
-    # One K/V head, 64 long splits: four clusters of 16, each leaving one partial for the last CTA.
+    # One K/V head, 64 long splits: as many clusters of 16 as are resident but one (6 of 7), each
+    # leaving one partial for the last CTA; chunk rounding gives 86 splits, padded to 96.
     plan, (chosen, cluster) = _fit([65536], 1, 64)
-    assert cluster == 16 and chosen == plan
-    # 128 splits: 8 clusters of 16 are not resident (7), nor 16 of 8 (15), nor 32 of 4 (30): pairs.
+    assert cluster == 16 and chosen.num_splits == 96 and chosen.num_ctas == 96
+    assert int(chosen.splits_per_seq.max()) == 86 and chosen.tokens_per_split == 768
+    # 128 splits become 96 in clusters of 16 (not 128 in 64 pairs).
     plan, (chosen, cluster) = _fit([524288], 1, 128)
-    assert cluster == 2 and chosen == plan
-    # A split count between multiples is rounded to the nearest one (43 -> 3 x 16)...
+    assert cluster == 16 and chosen.num_splits == 96
+    # Two rows: three clusters of 16 each (47 splits, padded to 48).
     plan, (chosen, cluster) = _fit([65536], 2, 45)
-    assert cluster == 16 and chosen.num_splits == 48
+    assert cluster == 16 and chosen.num_splits == 48 and int(chosen.splits_per_seq.max()) == 47
     assert int(chosen.splits_per_seq.max()) * chosen.tokens_per_split >= 65536
-    # ...but not in a forced plan, which keeps its count (43 once chunk-rounded: no multiple of 2).
+    # Four rows: two clusters of 16 per row would not leave one spare; three of 8 per row do.
+    plan, (chosen, cluster) = _fit([65536, 65536], 2, 32)
+    assert cluster == 8 and chosen.num_splits == 24 and chosen.num_ctas == 4 * 24
+    # A forced plan keeps its count, which must be a multiple of the cluster (43 once rounded: none).
     plan, (chosen, cluster) = _fit([65536], 2, 45, may_resplit=False)
     assert cluster == 1 and chosen == plan
     plan, (chosen, cluster) = _fit([65536], 2, 32, may_resplit=False)
     assert cluster == 16 and chosen == plan
-    # Chunk rounding leaves 47 splits of a 48-split grid: padded to whole clusters.
-    plan, (chosen, cluster) = _fit([65536], 2, 46)
-    assert cluster == 16 and chosen.num_splits == 48 and int(chosen.splits_per_seq.max()) == 47
-    assert chosen.num_ctas == 2 * 48
+    # No split under a chunk: a row of 2 x 16 chunks gets two clusters of 16 at most.
+    plan, (chosen, cluster) = _fit([4096], 1, 32, bytes_per_token=1 << 20)
+    assert cluster == 16 and chosen.num_splits == 32 and chosen.tokens_per_split == 128
 
 
 def test_several_clusters_per_row_need_the_fused_merge_and_more_splits_than_a_cluster():

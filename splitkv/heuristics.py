@@ -25,9 +25,9 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
 
     Split: 32-token tiles two stages deep, so one split gets a whole number of 128-token chunks
     (one tile per warp), fine enough for the planner to cut short sequences into many splits.
-    Dense: 16-token tiles three stages deep, a ring half the size, so two CTAs share an SM; the
-    dense program runs when the batch alone fills the GPU, often in several waves, and there a
-    second resident CTA hides the first one's prologue and tail (H200, D=128: 4-6% faster at
+    Dense: 16-token tiles three stages deep, three quarters of the ring's bytes, so two CTAs share
+    an SM; the dense program runs when the batch alone fills the GPU, often in several waves, and
+    there a second resident CTA hides the first one's prologue and tail (H200, D=128: 4-6% faster at
     B=64 x 1k and B=128 x 512, within 1% at B=16 x 4k). head_dim 256 keeps 16-token tiles two
     stages deep for both, to fit the ring in shared memory. Groups up to 8 put the tokens on the
     MMA's 16 rows (``mma_m="tokens"``) instead of padding the query heads to 16 rows (H200, D=128,

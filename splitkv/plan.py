@@ -40,7 +40,8 @@ class SplitPlan:
 
     ``splits_per_seq[b]`` splits of ``tokens_per_split`` tokens cover sequence ``b`` (the last one
     shorter); it is at least 1, so an empty sequence still gets the CTA that writes its zeros and
-    ``-inf``. The grid is ``B x num_kv_heads x num_splits``; CTAs past a sequence's last split exit.
+    ``-inf``. The grid is ``B x num_kv_heads x num_splits``; CTAs past a sequence's last split
+    stream nothing (and exit, unless they belong to a thread-block cluster).
     ``num_splits`` is the longest row's split count, or more when the grid is padded to whole
     thread-block clusters (see ``fit_clusters``).
     """

@@ -132,6 +132,10 @@ class DecodeAttention:
                                          may_resplit=variant is None,
                                          multi_cluster=self.split_spec.fused_merge)
             spec = self.split_spec.replace(cluster=cluster)
+        if spec.cluster > 1 and plan.num_splits != spec.cluster and not spec.fused_merge:
+            # Several clusters per row leave one partial per cluster, which only the fused merge reads.
+            raise RuntimeError(f"planner bug: {plan.num_splits} splits in clusters of {spec.cluster} "
+                               f"without the fused merge; {describe(plan)}")
         if plan.tokens_per_split % spec.tile_tokens:  # the programs start tiles at split starts
             raise RuntimeError(f"planner bug: {plan.tokens_per_split} tokens per split is not a multiple of "
                                f"the tile ({spec.tile_tokens} tokens); {describe(plan)}")
@@ -142,9 +146,12 @@ class DecodeAttention:
             rows = batch * plan.num_splits * self.num_qo_heads
             partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._buffer("partial_lse", rows, np.float32)
-            # [merge counters; tile counters when warps steal tiles], each [batch][num_kv_heads],
-            # the tile counters TILE_COUNTER_STRIDE ints apart
-            num_counters = batch * self.num_kv_heads * (1 + (TILE_COUNTER_STRIDE if spec.steal_tiles else 0))
+            # Merge counters [batch][num_kv_heads]; when warps steal tiles, from the next whole
+            # line on, one tile counter per row, TILE_COUNTER_STRIDE ints apart.
+            rows_total = batch * self.num_kv_heads
+            num_counters = rows_total
+            if spec.steal_tiles:
+                num_counters = -(-rows_total // TILE_COUNTER_STRIDE) * TILE_COUNTER_STRIDE + rows_total * TILE_COUNTER_STRIDE
             if spec.fused_merge or spec.steal_tiles:
                 counters = self._buffer("counters", num_counters, np.int32, zero=True)
             if not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place

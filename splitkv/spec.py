@@ -34,12 +34,14 @@ CLUSTERS = (1, 2, 4, 8, 16)
 #: How K/V rows reach shared memory. cp_async: every lane copies 16-byte pieces (sm_80+).
 #: bulk: one cp.async.bulk per token row on the copy engine, counted on an mbarrier (sm_90+).
 KV_COPIES = ("cp_async", "bulk")
+#: Tiles per draw from a row's tile counter (0: no stealing).
+STEAL_TILES = (0, 1, 2, 4, 8)
+#: Ints between two rows' tile counters, and the alignment of the first: one 128-byte L2 line per
+#: row, so rows draw without contending with each other or with the merge counters.
+TILE_COUNTER_STRIDE = 32
 #: What fills the 16 rows (M) of the m16n8k16 MMAs. heads: the query heads of the group (rows past
 #: the group are idle, so G = 4 uses a quarter of each MMA). tokens: 16 tokens per MMA, the query
 #: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.
-STEAL_TILES = (0, 1, 2, 4, 8)
-#: ints between two rows' tile counters: one 128-byte L2 line per row, so rows draw without contending
-TILE_COUNTER_STRIDE = 32
 MMA_M = ("heads", "tokens")
 
 #: Shared memory a CTA may use on sm_80+ after opting in (227 KB on sm_90; 163 KB on sm_80).

@@ -253,3 +253,16 @@ def test_merge_in_two_levels_matches_the_flat_merge(rng, cluster):
     got = merge_partials(np.stack(level_o, axis=1), np.stack(level_lse, axis=1), clusters_used)
     assert_matches(*got, *merge_partials(partial_o, partial_lse2, counts))
     assert_matches(*got, *attention_reference(q, k, v, lens))
+
+
+def test_emulator_runs_a_plan_padded_to_whole_clusters(rng):
+    # fit_clusters pads the grid past the longest row's splits: the extra splits are empty.
+    from splitkv.plan import fit_clusters, fixed_plan
+
+    lens = np.array([700, 333, 0])
+    plan = fixed_plan(lens, 1, variant="split", chunk_size=4, num_splits=45)
+    padded, cluster = fit_clusters(plan, lens, 1, chunk_size=4, max_cluster=16, resident_clusters=lambda c: 7,
+                                   kv_bytes_per_token=1 << 20)
+    assert cluster == 16 and padded.num_splits > int(padded.splits_per_seq.max())
+    q, k, v, lens = make_inputs(rng, lens, num_kv_heads=1, group=4, head_dim=16)
+    assert_matches(*emulate_split_decode(q, k, v, lens, padded), *attention_reference(q, k, v, lens))

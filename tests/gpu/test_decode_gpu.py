@@ -331,11 +331,13 @@ def test_return_lse_and_default_path():
     check_close(out_dev, None, ref_dev, None, lens, "bf16", "decode() device seq_lens, sm_scale")
 
 
-@pytest.mark.parametrize("steal_tiles", [0, 4])
-def test_cuda_graph_capture_and_replay(steal_tiles):
-    # With steal_tiles the per-row tile counters must be back at zero after every launch.
-    num_kv, group, dim = 4, 4, 128
-    lens = [3000, 17, 8000, 0]
+@pytest.mark.parametrize("steal_tiles, num_kv, lens", [(0, 4, [3000, 17, 8000, 0]), (4, 4, [3000, 17, 8000, 0]),
+                                                      (4, 1, [8000, 17, 3000, 0])])
+def test_cuda_graph_capture_and_replay(steal_tiles, num_kv, lens):
+    # With steal_tiles the per-row tile counters must be back at zero after every launch; with one
+    # K/V head the 8000-token row spans several clusters, so the merge counter is reset by the
+    # last CTA of a two-level merge.
+    group, dim = 4, 128
     q, q64 = random_values((4, num_kv * group, dim), "bf16", 21)
     k, k64 = random_values((4, 8192, num_kv, dim), "bf16", 22)
     v, v64 = random_values((4, 8192, num_kv, dim), "bf16", 23)
@@ -344,8 +346,12 @@ def test_cuda_graph_capture_and_replay(steal_tiles):
     attn = DecodeAttention(num_kv * group, num_kv, dim, spec=spec)
     stream = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()  # the inputs were written on the default stream, which `stream` does not wait for
-    plan = attn.plan(device_lens, stream=stream)  # reads the lengths and zeroes the counters on `stream`
+    # Reads the lengths and zeroes the counters on `stream`. One K/V head: 32 splits of 256 tokens,
+    # more than the resident clusters of 16, 8 or 4 hold for 4 rows, so pairs of splits.
+    plan = attn.plan(device_lens, variant="split", num_splits=32 if num_kv == 1 else None, stream=stream)
     assert plan.variant == "split"
+    if num_kv == 1:
+        assert 1 < attn._launch.spec.cluster < plan.num_splits, attn.plan_info
     out = cupy.empty((4, num_kv * group, dim), cupy.uint16)
     lse = cupy.empty((4, num_kv * group), cupy.float32)
     with stream:

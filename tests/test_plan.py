@@ -232,3 +232,33 @@ def test_dense_plans_have_no_cluster():
     plan = fixed_plan([100, 50], 2, variant="dense", chunk_size=128)
     assert fit_clusters(plan, [100, 50], 2, chunk_size=128, max_cluster=16, resident_clusters=lambda c: 99,
                         kv_bytes_per_token=512) == (plan, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(), st.sampled_from([1, 2, 4, 8, 16]), st.booleans(), st.booleans(),
+       st.fixed_dictionaries({c: st.one_of(st.none(), st.integers(0, 80)) for c in (2, 4, 8, 16)}))
+def test_fit_clusters_invariants(problem, max_cluster, may_resplit, multi_cluster, resident_table):
+    # Whatever the occupancy table says: a cluster size divides the grid, every row's tokens are
+    # still covered, all clusters of the grid are resident, and a forced plan keeps its splits.
+    plan = run(problem)
+    lens = problem["seq_lens"]
+    rows = lens.size * problem["num_kv_heads"]
+    chosen, cluster = fit_clusters(plan, lens, problem["num_kv_heads"], chunk_size=problem["chunk_size"],
+                                   max_cluster=max_cluster, resident_clusters=resident_table.get,
+                                   kv_bytes_per_token=512, may_resplit=may_resplit, multi_cluster=multi_cluster)
+    if plan.variant == "dense":
+        assert (chosen, cluster) == (plan, 1)
+        return
+    assert chosen.variant == "split" and 1 <= cluster <= max_cluster and cluster & (cluster - 1) == 0
+    assert chosen.num_splits % cluster == 0 and chosen.num_ctas == rows * chosen.num_splits
+    assert int(chosen.splits_per_seq.max()) <= chosen.num_splits
+    assert chosen.num_splits - int(chosen.splits_per_seq.max()) < max(cluster, 1)  # padding: under one cluster
+    assert np.all(chosen.splits_per_seq * chosen.tokens_per_split >= lens)
+    assert chosen.tokens_per_split % problem["chunk_size"] == 0
+    if cluster > 1:
+        held = resident_table[cluster]
+        assert held is not None and rows * chosen.num_splits // cluster <= held
+        if chosen.num_splits > cluster:
+            assert multi_cluster  # several clusters per row only where the fused merge is there
+    if not may_resplit:
+        assert chosen.tokens_per_split == plan.tokens_per_split and chosen.num_splits == plan.num_splits

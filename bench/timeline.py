@@ -20,7 +20,9 @@ import os
 import numpy as np
 
 #: Phase stamps in program order; a CTA that skips a phase (no merge, not the last) leaves it 0.
-PHASES = ("start", "all warps streamed", "warps combined", "pushed / partials written", "merge inputs ready",
+#: Phase 3 is, per merge: the pushes issued (cluster), the arrival counted (global: the last CTA
+#: writes no partial), or the slice written (several clusters per row).
+PHASES = ("start", "all warps streamed", "warps combined", "pushed / counted / slice written", "merge inputs ready",
           "done")
 _SLOTS = 8
 _PROBE = r'''
@@ -38,14 +40,18 @@ __device__ __forceinline__ void splitkv_stamp(int phase) {{
 _AFTER = (
     ("    __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox\n", 0),
     ("        row_lse2[row] = l > 0.f ? m + __log2f(l) : -INFINITY;\n    }\n    __syncthreads();\n", 2),
-    ("        __syncthreads();  // all of this CTA's pushes come before its arrivals\n", 3),
-    ("    __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
-    ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);\n", 4),
+    ("        const int seen = arrival;\n", 3),
+    ("    __syncthreads();  // the CTA's slice is written before thread 0 counts it\n", 3),
+    ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed\n", 4),
+    ("        __syncthreads();  // the others' partials are visible to every thread\n", 4),
     ("    __syncthreads();\n    if (!is_last) return;\n", 4),
+    ("                                                [&](int d) { return cta_value(row * HEAD_DIM + d); });\n",
+     5),
 )
 #: (anchor, stamp inserted right before it): the end of each merge.
 _BEFORE = (
     ("    float* warp_m = reinterpret_cast", 1),
+    ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);", 3),  # the pushes issued
     ("        return;\n    }\n\n    // ---- without clusters", 5),
 )
 _TAIL = "                                            num_qo_heads, num_splits, splits_used, lane);\n"
@@ -63,7 +69,7 @@ def patched_source(source: str, num_ctas: int) -> str:
         # phase 1 follows the CTA barrier after the streams; the end of a merge needs its own
         barrier = "" if phase == 1 else "    __syncthreads();\n"
         out = out.replace(anchor, barrier + f"    splitkv_stamp({phase});\n" + anchor, 1)
-    if _TAIL in out:
+    if _TAIL in out:  # the merge of several clusters' partials
         out = out.replace(_TAIL, _TAIL + "    __syncthreads();\n    splitkv_stamp(5);\n", 1)
     if "splitkv_stamp(0)" not in out or "splitkv_stamp(1)" not in out:
         raise ValueError("timeline: the decode program's phase anchors moved")

@@ -443,3 +443,47 @@ def test_recorded_command_line_names_no_directory():
 
     argv = ["--iters", "100", "--out", "/some/where/out", "--markdown=/some/where/BENCH.md", "--quick"]
     assert portable_argv(argv) == ["--iters", "100", "--out", "out", "--markdown=BENCH.md", "--quick"]
+
+
+# ---- the benchmark tools' source patches -------------------------------------------------------
+
+def _bench_tool(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("cluster", [1, 8])  # the global merge; the cluster merge (and several per row)
+def test_timeline_stamps_every_phase_of_the_rendered_program(cluster):
+    # The timeline patches the rendered source at anchors: a kernel edit that moves one must fail
+    # here, not silently drop a phase from the table.
+    from splitkv.codegen.render import render
+    from splitkv.heuristics import default_spec
+
+    timeline = _bench_tool("timeline")
+    source = timeline.patched_source(render(default_spec("sm_90", 128, 4).replace(cluster=cluster)), 128)
+    missing = [name for phase, name in enumerate(timeline.PHASES) if f"splitkv_stamp({phase});" not in source]
+    assert not missing
+
+
+def test_ablation_anchors_are_in_the_rendered_programs():
+    from splitkv.codegen.render import render
+    from splitkv.heuristics import default_spec
+
+    ablate = _bench_tool("ablate")
+    sources = [render(default_spec("sm_90", 128, 4).replace(cluster=c)) for c in (1, 8)]
+    for name, patch in ablate.ABLATIONS.items():
+        patched = [s for s in sources if _patches(patch, s)]
+        assert patched, f"ablation {name!r}: its anchor is in no rendered program"
+
+
+def _patches(patch, source):
+    try:
+        return patch(source) != source
+    except ValueError:
+        return False

@@ -96,14 +96,13 @@ __device__ __forceinline__ u32 cluster_map(const void* local, unsigned rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
     return remote;
 }
-__device__ __forceinline__ void store_to_cluster_rank(float* local, unsigned rank, float value) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;\n" :: "r"(cluster_map(local, rank)), "f"(value) : "memory");
-}
-// One arrival on the barrier at `local`'s address in CTA `rank`, releasing (at cluster scope) this
-// thread's earlier writes and those it has synchronised with.
-__device__ __forceinline__ void mbarrier_arrive_on_cluster_rank(unsigned long long* local, unsigned rank) {
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n"
-                 :: "r"(cluster_map(local, rank)) : "memory");
+// Stores `value` at `local`'s address in CTA `rank` and counts its 4 bytes on that CTA's barrier at
+// `bar`'s address (complete_tx): the barrier's phase completes once every byte it expects has
+// landed, so the sender needs neither a fence nor an arrival of its own.
+__device__ __forceinline__ void store_async_to_cluster_rank(float* local, unsigned rank, float value,
+                                                           unsigned long long* bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];\n"
+                 :: "r"(cluster_map(local, rank)), "f"(value), "r"(cluster_map(bar, rank)) : "memory");
 }
 // Waits for the phase of parity `parity` to complete, acquiring what its arrivals released.
 __device__ __forceinline__ void mbarrier_wait_cluster_acquire(unsigned long long* bar, unsigned parity) {
@@ -118,6 +117,17 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* address, int value) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(address), "r"(value) : "memory");
     return old;
+}
+
+// Device-scope atomic add that releases this thread's earlier writes (and those it has
+// synchronised with) to whoever acquires the counter.
+__device__ __forceinline__ void atomic_add_release_gpu(int* address, int value) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(address), "r"(value) : "memory");
+}
+__device__ __forceinline__ int load_acquire_gpu(const int* address) {
+    int value;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(address) : "memory");
+    return value;
 }
 
 // 2^x on the special-function unit; 2^-inf = +0, which the online softmax relies on.

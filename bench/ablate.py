@@ -14,13 +14,12 @@ Needs a GPU and CuPy; results print as a table (see BENCHMARKS.md for a run).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 from splitkv import DecodeAttention
 from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
-from splitkv.codegen.compile import cuda_include_dirs
-from splitkv.codegen.render import DECODE_KERNEL, render
+from splitkv.codegen.load import load_kernel
+from splitkv.codegen.render import render
 from splitkv.floor import ReadFloor
 
 
@@ -53,14 +52,8 @@ ABLATIONS = {
 
 
 def patched_kernel(spec, patch):
-    import cupy
-
-    source = patch(render(spec))
-    templates = os.path.join(os.path.dirname(__import__("splitkv").__file__), "templates")
-    options = ("--std=c++17", f"-I{templates}", *(f"-I{d}" for d in cuda_include_dirs()))
-    function = cupy.RawModule(code=source, options=options, backend="nvrtc").get_function(DECODE_KERNEL)
-    function.max_dynamic_shared_size_bytes = spec.smem_bytes
-    return function
+    """The program of ``spec`` with ``patch`` applied, compiled exactly as splitkv compiles it."""
+    return load_kernel(spec, source=patch(render(spec)))[0]
 
 
 def main(argv=None) -> int:

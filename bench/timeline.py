@@ -15,14 +15,11 @@ Needs a GPU and CuPy. The stamps add a few instructions per phase, not per tile.
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
 
 #: Phase stamps in program order; a CTA that skips a phase (no merge, not the last) leaves it 0.
-#: Phase 3 is, per merge: the pushes issued (cluster), the arrival counted (global: the last CTA
-#: writes no partial), or the slice written (several clusters per row).
-PHASES = ("start", "all warps streamed", "warps combined", "pushed / counted / slice written", "merge inputs ready",
+PHASES = ("start", "all warps streamed", "warps combined", "pushed / partials written", "merge inputs ready",
           "done")
 _SLOTS = 8
 _PROBE = r'''
@@ -40,13 +37,9 @@ __device__ __forceinline__ void splitkv_stamp(int phase) {{
 _AFTER = (
     ("    __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox\n", 0),
     ("        row_lse2[row] = l > 0.f ? m + __log2f(l) : -INFINITY;\n    }\n    __syncthreads();\n", 2),
-    ("        const int seen = arrival;\n", 3),
-    ("    __syncthreads();  // the CTA's slice is written before thread 0 counts it\n", 3),
+    ("    __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed\n", 4),
-    ("        __syncthreads();  // the others' partials are visible to every thread\n", 4),
     ("    __syncthreads();\n    if (!is_last) return;\n", 4),
-    ("                                                [&](int d) { return cta_value(row * HEAD_DIM + d); });\n",
-     5),
 )
 #: (anchor, stamp inserted right before it): the end of each merge.
 _BEFORE = (
@@ -69,7 +62,7 @@ def patched_source(source: str, num_ctas: int) -> str:
         # phase 1 follows the CTA barrier after the streams; the end of a merge needs its own
         barrier = "" if phase == 1 else "    __syncthreads();\n"
         out = out.replace(anchor, barrier + f"    splitkv_stamp({phase});\n" + anchor, 1)
-    if _TAIL in out:  # the merge of several clusters' partials
+    if _TAIL in out:
         out = out.replace(_TAIL, _TAIL + "    __syncthreads();\n    splitkv_stamp(5);\n", 1)
     if "splitkv_stamp(0)" not in out or "splitkv_stamp(1)" not in out:
         raise ValueError("timeline: the decode program's phase anchors moved")
@@ -98,8 +91,8 @@ def main(argv=None) -> int:
 
     from splitkv import DecodeAttention
     from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
-    from splitkv.codegen.compile import cuda_include_dirs
-    from splitkv.codegen.render import DECODE_KERNEL, render
+    from splitkv.codegen.load import load_module
+    from splitkv.codegen.render import render
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:64k"])
@@ -107,8 +100,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     harness = Harness(args.samples, 3, 256 << 20)
-    templates = os.path.join(os.path.dirname(__import__("splitkv").__file__), "templates")
-    options = ("--std=c++17", f"-I{templates}", *(f"-I{d}" for d in cuda_include_dirs()))
     for shape in parse_shapes(args.shapes):
         b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
         q, k, v, out = random_bf16_qkv(shape)
@@ -116,12 +107,8 @@ def main(argv=None) -> int:
         attn.plan([n] * b, stream=harness.stream)
         launch = attn._launch
         num_ctas = int(np.prod(launch.grid))
-        module = cupy.RawModule(code=patched_source(render(launch.spec), num_ctas), options=options, backend="nvrtc")
-        function = module.get_function(DECODE_KERNEL)
-        function.max_dynamic_shared_size_bytes = launch.spec.smem_bytes
-        if launch.spec.cluster > 8:
-            from cupy_backends.cuda.api import driver
-            driver.funcSetAttribute(function.kernel.ptr, 14, 1)  # non-portable cluster size
+        # Compiled as splitkv compiles the program, so that the stamps are the only difference.
+        module, function, _ = load_module(launch.spec, source=patched_source(render(launch.spec), num_ctas))
         object.__setattr__(launch, "decode_fn", function)
         probe = cupy.ndarray((num_ctas, _SLOTS), cupy.uint64, module.get_global("splitkv_probe"))
         stamps = []

@@ -20,7 +20,7 @@ import numpy as np
 from . import tensors
 from .heuristics import default_spec, resident_ctas_per_sm
 from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits
-from .spec import MAX_SPLITS, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -136,9 +136,6 @@ class DecodeAttention:
             # Several clusters per row leave one partial per cluster, which only the fused merge reads.
             raise RuntimeError(f"planner bug: {plan.num_splits} splits in clusters of {spec.cluster} "
                                f"without the fused merge; {describe(plan)}")
-        if plan.num_splits > MAX_SPLITS:  # the merge counters count a row's CTAs in 15 bits
-            raise ValueError(f"num_splits: at most {MAX_SPLITS} splits per sequence, got {plan.num_splits}; "
-                             f"{describe(plan)}")
         if plan.tokens_per_split % spec.tile_tokens:  # the programs start tiles at split starts
             raise RuntimeError(f"planner bug: {plan.tokens_per_split} tokens per split is not a multiple of "
                                f"the tile ({spec.tile_tokens} tokens); {describe(plan)}")

@@ -39,10 +39,6 @@ STEAL_TILES = (0, 1, 2, 4, 8)
 #: Ints between two rows' tile counters, and the alignment of the first: one 128-byte L2 line per
 #: row, so rows draw without contending with each other or with the merge counters.
 TILE_COUNTER_STRIDE = 32
-#: A row's merge counter (one int) counts the CTAs arrived in units of MERGE_ARRIVAL and, below
-#: that, the partials written; the units bound the splits of one row.
-MERGE_ARRIVAL = 1 << 16
-MAX_SPLITS = (1 << 15) - 1
 #: What fills the 16 rows (M) of the m16n8k16 MMAs. heads: the query heads of the group (rows past
 #: the group are idle, so G = 4 uses a quarter of each MMA). tokens: 16 tokens per MMA, the query
 #: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.

@@ -101,9 +101,14 @@ _memory_cache: dict[tuple, CompileResult] = {}
 _lock = threading.Lock()
 
 
-def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True) -> CompileResult:
-    """Render ``spec`` and compile it to a cubin for ``spec.arch``; no GPU is involved."""
-    source = render(spec)
+def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True,
+                  source: str | None = None) -> CompileResult:
+    """Render ``spec`` and compile it to a cubin for ``spec.arch``; no GPU is involved.
+
+    ``source`` replaces the rendered program (the benchmark tools patch it to time or stamp its
+    parts), compiled with the same options and headers so that it differs in nothing else.
+    """
+    source = render(spec) if source is None else source
     headers = helper_headers()
     options = nvrtc_options(spec.arch)
     key = _cache_key(source, headers, options)

@@ -18,16 +18,26 @@ _loaded: dict[tuple, tuple] = {}
 _lock = threading.Lock()
 
 
-def load_kernel(spec: KernelSpec | MergeSpec):
-    """(CuPy kernel function, CompileResult) for ``spec`` on the current device, cached per device."""
+def load_kernel(spec: KernelSpec | MergeSpec, *, source: str | None = None):
+    """(CuPy kernel function, CompileResult) for ``spec`` on the current device, cached per device.
+
+    ``source``: a patched program to compile in place of the rendered one (see `compile_cubin`).
+    """
+    module, function, result = load_module(spec, source=source)
+    return function, result
+
+
+def load_module(spec: KernelSpec | MergeSpec, *, source: str | None = None):
+    """(CuPy module, its kernel function, CompileResult): `load_kernel`, with the module for tools
+    that read the program's globals."""
     import cupy
 
     device = cupy.cuda.Device().id
-    key = (spec, device)
+    key = (spec, device, source)
     with _lock:
         if key in _loaded:
             return _loaded[key]
-    result: CompileResult = compile_cubin(spec)
+    result: CompileResult = compile_cubin(spec, source=source)
     module = cupy.RawModule(path=str(result.cubin_path))
     function = module.get_function(kernel_name(spec))
     smem = getattr(spec, "smem_bytes", 0)
@@ -38,5 +48,5 @@ def load_kernel(spec: KernelSpec | MergeSpec):
 
         driver.funcSetAttribute(function.kernel.ptr, _NON_PORTABLE_CLUSTER_ATTRIBUTE, 1)
     with _lock:
-        _loaded[key] = (function, result)
-    return function, result
+        _loaded[key] = (module, function, result)
+    return module, function, result

@@ -12,7 +12,7 @@ import importlib.resources
 
 import jinja2
 
-from ..spec import MERGE_ARRIVAL, SMEM_ROW_PAD, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from ..spec import SMEM_ROW_PAD, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 
 #: C++ element type for each dtype name of the spec vocabulary.
 CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
@@ -55,7 +55,7 @@ def template_parameters(spec: KernelSpec | MergeSpec) -> dict:
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], kv_type=CUDA_TYPES[spec.kv_dtype],
                       smem_pad=SMEM_ROW_PAD, cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
-                      tile_counter_stride=TILE_COUNTER_STRIDE, merge_arrival=MERGE_ARRIVAL)
+                      tile_counter_stride=TILE_COUNTER_STRIDE)
     return params
 
 

@@ -13,18 +13,11 @@ namespace splitkv {
 // Workspace layout (fp32): partial_o[batch][num_splits][num_qo_heads][HEAD_DIM],
 // partial_lse[batch][num_splits][num_qo_heads]. Partials are read with ld.global.cg: they were
 // written by other CTAs of this launch, so they must come from L2, never from a stale L1 line.
-// The caller's own partial, when it has one that was never written to the workspace: none here.
-struct NoOwnPartial {
-    __device__ float operator()(int) const { return 0.f; }
-};
-
-// Slot `own_slot` (if >= 0) is not read from the workspace: its log-sum-exp is `own_lse2` and its
-// element d is `own(d)`, so a merging CTA can take its own result from where it already is.
-template <int HEAD_DIM, typename out_t, typename Own = NoOwnPartial>
+template <int HEAD_DIM, typename out_t>
 __device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
                                           out_t* __restrict__ out, float* __restrict__ lse,
                                           int batch_idx, int head, int num_qo_heads, int num_splits, int splits_used,
-                                          int lane, int own_slot = -1, float own_lse2 = -INFINITY, Own own = Own()) {
+                                          int lane) {
     constexpr int PER_LANE = (HEAD_DIM + 31) / 32;
     // The merge runs at the tail of the launch, so its latency is on the critical path: each group
     // of up to 32 splits costs one round trip to L2, the log-sum-exps (one per lane) and the first
@@ -40,8 +33,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, c
 #pragma unroll
             for (int j = 0; j < PER_LANE; ++j) {
                 const int d = lane + 32 * j;
-                const bool valid = first + u < count && d < HEAD_DIM;
-                part[u][j] = !valid ? 0.f : base + first + u == own_slot ? own(d) : __ldcg(o + d);
+                part[u][j] = (first + u < count && d < HEAD_DIM) ? __ldcg(o + d) : 0.f;
             }
         }
     };
@@ -54,8 +46,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, c
     for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.f;
     for (int base = 0; base < splits_used; base += 32) {
         const int count = min(32, splits_used - base);
-        const float lse_lane = lane >= count ? -INFINITY
-                               : base + lane == own_slot ? own_lse2 : __ldcg(row_lse + (base + lane) * split_stride);
+        const float lse_lane = lane < count ? __ldcg(row_lse + (base + lane) * split_stride) : -INFINITY;
         float part[BATCH][PER_LANE];
         load_partials(part, base, 0, count);
         float group_max = lse_lane;

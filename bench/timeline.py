@@ -45,9 +45,9 @@ _AFTER = (
 _BEFORE = (
     ("    float* warp_m = reinterpret_cast", 1),
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);", 3),  # the pushes issued
-    ("        return;\n    }\n\n    // ---- without clusters", 5),
+    ("        if (whole_row) return;\n    } else {\n        // ---- without clusters", 5),
 )
-_TAIL = "                                            num_qo_heads, num_splits, splits_used, lane);\n"
+_TAIL = "                                            num_qo_heads, num_splits, slots_used, lane);\n"
 
 
 def patched_source(source: str, num_ctas: int) -> str:

@@ -8,6 +8,7 @@ variants; the benchmark and the GPU tests vouch for what ships.
 
     python bench/variants.py --shapes 1:8:1:128:64k --variants "" cluster=1 "cluster=1,splits=32"
     python bench/variants.py --shapes 64:32:8:128:1k --variants "" "tile_tokens=32,chunk_size=128,stages=2,splits=0"
+    python bench/variants.py --shapes 1:32:8:128:4k --variants "" cluster=1 --rounds 4   # differences under 1 µs
 
 Needs a GPU and CuPy.
 """
@@ -39,6 +40,16 @@ def parse_variant(text: str) -> tuple[dict, int | None]:
     return (parse_spec_override(",".join(rest)) if rest else {}), splits
 
 
+def round_order(count: int, round_index: int) -> list[int]:
+    """The order in which round ``round_index`` times ``count`` variants: rotated by one each round,
+    so that over ``count`` rounds (or any multiple) every variant takes every position once.
+
+    Where a call stands in the sequence moves its time by up to 0.6 µs on an H200 (BENCHMARKS.md,
+    "Measuring below a microsecond"); one fixed order would charge that to the variants.
+    """
+    return [(i + round_index) % count for i in range(count)]
+
+
 def main(argv=None) -> int:
     import cupy
 
@@ -46,7 +57,13 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L (L may be written 4k)")
     parser.add_argument("--variants", nargs="+", default=[""], help='field=value,...[,splits=N]; "" = as shipped')
     parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every variant this many times, in a rotating order (see round_order; "
+                             "a multiple of the number of variants puts each in every position); the "
+                             "figure is the median of the rounds' medians")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds: expected a positive int")
     variants = [(text, *parse_variant(text)) for text in args.variants]
 
     harness = Harness(args.iters, 5, 256 << 20)
@@ -58,15 +75,24 @@ def main(argv=None) -> int:
         with harness.active():
             floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
         print(f"{shape.label}: read floor {floor_us:.1f} µs", flush=True)
+        planned = []  # every variant compiled and planned before any is timed
         for text, changes, splits in variants:
             spec = default_spec("sm_" + cupy.cuda.Device().compute_capability, d, hq // hkv).replace(**changes) \
                 if changes else None
             attn = DecodeAttention(hq, hkv, d, spec=spec)
             variant = None if splits is None else ("dense" if splits == 0 else "split")
             attn.plan([n] * b, variant=variant, num_splits=splits or None, stream=harness.stream)
-            with harness.active():
-                t = statistics.median(harness.time(lambda: attn.run(q, k, v, out=out)))
-            print(f"  {t:8.2f} µs  {text or '(as shipped)':40s} {attn.plan_info}", flush=True)
+            planned.append(attn)
+        medians = [[] for _ in planned]
+        for r in range(args.rounds):
+            for i in round_order(len(planned), r):
+                attn = planned[i]
+                with harness.active():
+                    medians[i].append(statistics.median(harness.time(lambda: attn.run(q, k, v, out=out))))
+        for (text, _, _), attn, times in zip(variants, planned, medians):
+            spread = f" [{min(times):.2f}-{max(times):.2f}]" if len(times) > 1 else ""
+            print(f"  {statistics.median(times):8.2f} µs{spread}  {text or '(as shipped)':40s} {attn.plan_info}",
+                  flush=True)
     return 0
 
 

@@ -487,3 +487,14 @@ def _patches(patch, source):
         return patch(source) != source
     except ValueError:
         return False
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_variant_rounds_put_every_variant_in_every_position(count):
+    variants = _bench_tool("variants")
+    orders = [variants.round_order(count, r) for r in range(2 * count)]
+    for order in orders:
+        assert sorted(order) == list(range(count))  # each round times every variant once
+    for v in range(count):
+        positions = [order.index(v) for order in orders]
+        assert sorted(positions) == sorted(list(range(count)) * 2)

@@ -19,6 +19,8 @@ import argparse
 import numpy as np
 
 #: Phase stamps in program order; a CTA that skips a phase (no merge, not the last) leaves it 0.
+#: In rows of several clusters, phases 3 and 4 are those of the second, global stage (the cluster
+#: stage's stamps are overwritten), and "done" is stamped by the row's last CTA only.
 PHASES = ("start", "all warps streamed", "warps combined", "pushed / partials written", "merge inputs ready",
           "done")
 _SLOTS = 8
@@ -41,11 +43,15 @@ _AFTER = (
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed\n", 4),
     ("    __syncthreads();\n    if (!is_last) return;\n", 4),
 )
-#: (anchor, stamp inserted right before it): the end of each merge.
+#: (anchor, code inserted right before it). Phase 1 follows the CTA barrier after the streams;
+#: thread 0 stamps phase 3 as soon as it has issued its own pushes (a CTA barrier there would
+#: change what is timed); a cluster merge that writes the output ends with its own barrier.
+_BARRIER = "    __syncthreads();\n"
 _BEFORE = (
-    ("    float* warp_m = reinterpret_cast", 1),
-    ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);", 3),  # the pushes issued
-    ("        if (whole_row) return;\n    } else {\n        // ---- without clusters", 5),
+    ("    float* warp_m = reinterpret_cast", "    splitkv_stamp(1);\n"),
+    ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);", "    splitkv_stamp(3);\n"),
+    ("        if (whole_row) return;\n    } else {\n        // ---- without clusters",
+     _BARRIER + "    if (whole_row) splitkv_stamp(5);\n"),
 )
 _TAIL = "                                            num_qo_heads, num_splits, slots_used, lane);\n"
 
@@ -58,12 +64,10 @@ def patched_source(source: str, num_ctas: int) -> str:
     out = head + sep + _PROBE.format(ctas=num_ctas, slots=_SLOTS) + body
     for anchor, phase in _AFTER:
         out = out.replace(anchor, anchor + f"    splitkv_stamp({phase});\n", 1)
-    for anchor, phase in _BEFORE:
-        # phase 1 follows the CTA barrier after the streams; the end of a merge needs its own
-        barrier = "" if phase == 1 else "    __syncthreads();\n"
-        out = out.replace(anchor, barrier + f"    splitkv_stamp({phase});\n" + anchor, 1)
+    for anchor, code in _BEFORE:
+        out = out.replace(anchor, code + anchor, 1)
     if _TAIL in out:
-        out = out.replace(_TAIL, _TAIL + "    __syncthreads();\n    splitkv_stamp(5);\n", 1)
+        out = out.replace(_TAIL, _TAIL + _BARRIER + "    splitkv_stamp(5);\n", 1)
     if "splitkv_stamp(0)" not in out or "splitkv_stamp(1)" not in out:
         raise ValueError("timeline: the decode program's phase anchors moved")
     return out

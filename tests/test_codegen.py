@@ -104,6 +104,24 @@ def test_disk_cache_round_trip(monkeypatch, tmp_path):
     assert list(tmp_path.glob("*.cubin"))
 
 
+def test_a_patched_source_compiles_beside_the_rendered_one(monkeypatch, tmp_path):
+    # The benchmark tools compile patched programs through the same path: same options and
+    # headers, their own cache entry, and their own source file (the rendered one's stays intact).
+    import splitkv.codegen.compile as compile_module
+
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path))
+    spec = KernelSpec(group_size=2, head_dim=64)
+    rendered = compile_module.compile_cubin(spec, use_disk_cache=False)
+    patched_text = render(spec).replace("extern __shared__", "// patched\n    extern __shared__", 1)
+    patched = compile_module.compile_cubin(spec, use_disk_cache=False, source=patched_text)
+    assert patched.source == patched_text and patched.cubin[:4] == b"\x7fELF"
+    assert patched.source_path != rendered.source_path
+    assert rendered.source_path.read_text() == render(spec)
+    assert patched.source_path.read_text() == patched_text
+    compile_module._memory_cache.clear()
+    assert compile_module.compile_cubin(spec).source_path == rendered.source_path  # from the disk cache
+
+
 def test_sm100a_compiles():
     result = compile_cubin(KernelSpec(arch="sm_100a"), use_disk_cache=False)
     assert result.cubin[:4] == b"\x7fELF"

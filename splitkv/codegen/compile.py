@@ -108,17 +108,20 @@ def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True,
     ``source`` replaces the rendered program (the benchmark tools patch it to time or stamp its
     parts), compiled with the same options and headers so that it differs in nothing else.
     """
+    # A patched program keeps its source next to, not over, the rendered one's.
+    stem = spec.name if source is None else None
     source = render(spec) if source is None else source
     headers = helper_headers()
     options = nvrtc_options(spec.arch)
     key = _cache_key(source, headers, options)
+    stem = stem or f"{spec.name}-patched-{key[:12]}"
     with _lock:
         if key in _memory_cache:
             return _memory_cache[key]
     folder = cache_dir()
-    result = _read_disk_cache(folder, key, spec, source) if use_disk_cache else None
+    result = _read_disk_cache(folder, key, spec, source, stem) if use_disk_cache else None
     if result is None:
-        result = _compile(spec, source, headers, options, folder, key)
+        result = _compile(spec, source, headers, options, folder, key, stem)
     with _lock:
         _memory_cache[key] = result
     return result
@@ -132,12 +135,12 @@ def _cache_key(source: str, headers: dict[str, str], options: list[str]) -> str:
     return digest.hexdigest()[:24]
 
 
-def _compile(spec, source, headers, options, folder: Path, key: str) -> CompileResult:
+def _compile(spec, source, headers, options, folder: Path, key: str, stem: str) -> CompileResult:
     from cupy.cuda import nvrtc
 
-    source_path = _write_source(folder, spec, source, headers)
+    source_path = _write_source(folder, stem, source, headers)
     start = time.perf_counter()
-    program = nvrtc.createProgram(source, f"{spec.name}.cu", [h.encode() for h in headers.values()],
+    program = nvrtc.createProgram(source, f"{stem}.cu", [h.encode() for h in headers.values()],
                                   [n.encode() for n in headers.keys()])
     try:
         try:
@@ -157,14 +160,14 @@ def _compile(spec, source, headers, options, folder: Path, key: str) -> CompileR
     return CompileResult(spec, source, cubin, registers, spills, compile_ms, log, source_path, cubin_path)
 
 
-def _read_disk_cache(folder: Path, key: str, spec, source: str) -> CompileResult | None:
+def _read_disk_cache(folder: Path, key: str, spec, source: str, stem: str) -> CompileResult | None:
     cubin_path, meta_path = folder / f"{key}.cubin", folder / f"{key}.json"
     try:
         meta = json.loads(meta_path.read_text())
         cubin = cubin_path.read_bytes()
     except (OSError, ValueError):
         return None
-    source_path = folder / "src" / f"{spec.name}.cu"
+    source_path = folder / "src" / f"{stem}.cu"
     return CompileResult(spec, source, cubin, meta.get("registers"), meta.get("spill_bytes"),
                          float(meta.get("compile_ms", 0.0)), meta.get("log", ""),
                          source_path if source_path.exists() else None, cubin_path, cached=True)
@@ -179,14 +182,14 @@ def parse_ptxas_log(log: str) -> tuple[int | None, int | None]:
     return registers, spill_bytes
 
 
-def _write_source(folder: Path, spec, source: str, headers: dict[str, str]) -> Path | None:
+def _write_source(folder: Path, stem: str, source: str, headers: dict[str, str]) -> Path | None:
     """Keep the rendered program (and its headers) on disk, so a failure can point at it."""
     src = folder / "src"
     try:
         src.mkdir(parents=True, exist_ok=True)
         for name, text in headers.items():
             _atomic_write(src / name, text.encode())
-        return _atomic_write(src / f"{spec.name}.cu", source.encode())
+        return _atomic_write(src / f"{stem}.cu", source.encode())
     except OSError:
         return None
 

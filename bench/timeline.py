@@ -38,22 +38,21 @@ __device__ __forceinline__ void splitkv_stamp(int phase) {{
 #: (the cluster merge in a global-merge program, say) are skipped.
 _AFTER = (
     ("    __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox\n", 0),
-    ("        row_lse2[row] = l > 0.f ? m + __log2f(l) : -INFINITY;\n    }\n    __syncthreads();\n", 2),
-    ("    __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
+    ("    sum_lanes();\n    __syncthreads();\n", 1),
+    ("    combine_warps(combined);\n    __syncthreads();\n", 2),
+    ("        __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed\n", 4),
-    ("    __syncthreads();\n    if (!is_last) return;\n", 4),
+    ("        __syncthreads();\n        if (!is_last) return;\n", 4),
 )
-#: (anchor, code inserted right before it). Phase 1 follows the CTA barrier after the streams;
-#: thread 0 stamps phase 3 as soon as it has issued its own pushes (a CTA barrier there would
+#: (anchor, code inserted right before it). Thread 0 stamps phase 3 as soon as it has issued its own pushes (a CTA barrier there would
 #: change what is timed); a cluster merge that writes the output ends with its own barrier.
 _BARRIER = "    __syncthreads();\n"
 _BEFORE = (
-    ("    float* warp_m = reinterpret_cast", "    splitkv_stamp(1);\n"),
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);", "    splitkv_stamp(3);\n"),
     ("        if (whole_row) return;\n    } else {\n        // ---- without clusters",
      _BARRIER + "    if (whole_row) splitkv_stamp(5);\n"),
 )
-_TAIL = "                                            num_qo_heads, num_splits, slots_used, lane);\n"
+_TAIL = "                                                num_qo_heads, num_splits, slots_used, lane);\n"
 
 
 def patched_source(source: str, num_ctas: int) -> str:

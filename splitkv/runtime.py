@@ -19,7 +19,7 @@ import numpy as np
 
 from . import tensors
 from .heuristics import default_spec, resident_ctas_per_sm
-from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits
+from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan
 from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 
 _LOG2E = 1.4426950408889634
@@ -43,6 +43,7 @@ class _Launch:
     workspace: tuple  # (partial_o, partial_lse, counters), None where unused, kept alive here
     seq_lens_ptr: np.uint64
     workspace_ptrs: tuple
+    span_args: tuple = ()  # span_rows programs: (rows, tiles per row, partial slots per row) as int32
 
 
 class DecodeAttention:
@@ -132,6 +133,11 @@ class DecodeAttention:
                                          may_resplit=variant is None,
                                          multi_cluster=self.split_spec.fused_merge)
             spec = self.split_spec.replace(cluster=cluster)
+            if spec.span_rows:
+                # Equal shares of all rows' tiles: as many CTAs as are resident (or as the forced
+                # split count asks for).
+                slots = self.num_sms * ctas_per_sm if variant is None else plan.num_ctas
+                plan = span_plan(host_lens, self.num_kv_heads, tile_tokens=spec.tile_tokens, num_ctas=slots)
         if spec.cluster > 1 and plan.num_splits != spec.cluster and not spec.fused_merge:
             # Several clusters per row leave one partial per cluster, which only the fused merge reads.
             raise RuntimeError(f"planner bug: {plan.num_splits} splits in clusters of {spec.cluster} "
@@ -162,10 +168,14 @@ class DecodeAttention:
             device_lens = self._buffer("seq_lens", batch, np.int32)
             device_lens.set(lens)
         workspace = (partial_o, partial_lse, counters)
+        grid, span_args = (plan.num_splits, self.num_kv_heads, batch), ()
+        if plan.row_tokens:  # CTAs span rows: a line of CTAs over all rows' tiles
+            grid = (plan.num_ctas, 1, 1)
+            span_args = (np.int32(batch * self.num_kv_heads), np.int32(plan.row_tokens // spec.tile_tokens),
+                         np.int32(plan.num_splits))
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, int(host_lens.max(initial=0)),
-                               (plan.num_splits, self.num_kv_heads, batch), device_lens, workspace,
-                               np.uint64(device_lens.data.ptr),
-                               tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace))
+                               grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
+                               tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace), span_args)
         self._validated_layout = None
         return plan
 
@@ -185,6 +195,8 @@ class DecodeAttention:
         if self._launch is None:
             return "not planned"
         p = self._launch.plan
+        if p.row_tokens:
+            return f"{describe(p)} on {self.num_sms} SMs; {self._launch.spec.name}"
         return (f"{p.variant}: {p.num_splits} split(s) of {p.tokens_per_split} tokens, {p.num_ctas} CTAs "
                 f"on {self.num_sms} SMs; {self._launch.spec.name}")
 
@@ -241,7 +253,7 @@ class DecodeAttention:
                 launch.grid, (spec.threads,),
                 (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
                  np.int32(_cache_len(k)), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
-                 np.float32(self.sm_scale * _LOG2E)),
+                 np.float32(self.sm_scale * _LOG2E), *launch.span_args),
                 shared_mem=spec.smem_bytes)
             if launch.merge_fn is not None:
                 rows = launch.batch * self.num_qo_heads

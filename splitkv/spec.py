@@ -82,6 +82,9 @@ class KernelSpec:
     the planner gives every split a whole number of chunks, so a split never starts mid-tile.
     ``cluster`` consecutive splits of a row run as one thread-block cluster (split variant only) and
     merge their partial results through distributed shared memory, without a trip to global memory.
+    ``span_rows``: the split program's CTAs stream equal shares of all rows' tiles laid end to end
+    (see ``plan.span_plan``), so a CTA may finish one row and start the next; a warp that crosses
+    keeps streaming and sets its first row's state aside. Needs cluster 1 and the fused merge.
     ``steal_tiles`` (0: off): each warp streams the first ``stages - 1`` tiles of its split, then
     draws blocks of ``steal_tiles`` consecutive tiles from a per-row counter, so that CTAs which
     stream faster take over the slower ones' tokens (the result then depends on which warp took
@@ -103,6 +106,7 @@ class KernelSpec:
     kv_copy: str = "cp_async"
     steal_tiles: int = 0
     mma_m: str = "heads"
+    span_rows: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
@@ -142,6 +146,12 @@ class KernelSpec:
                              "use fused_merge=True")
         if not isinstance(self.fused_merge, bool):
             raise TypeError(f"fused_merge: expected a bool, got {self.fused_merge!r}")
+        if not isinstance(self.span_rows, bool):
+            raise TypeError(f"span_rows: expected a bool, got {self.span_rows!r}")
+        if self.span_rows and (self.variant != "split" or self.cluster != 1 or not self.fused_merge
+                               or self.steal_tiles or self.kv_copy != "cp_async"):
+            raise ValueError("span_rows: needs the split variant with cluster=1, fused_merge=True, "
+                             "steal_tiles=0 and kv_copy='cp_async'")
         limit = MAX_SMEM_BYTES.get(arch_number(self.arch), MAX_SMEM_BYTES[90])
         if self.smem_bytes + self.static_smem_bytes > limit:
             raise ValueError(
@@ -175,8 +185,21 @@ class KernelSpec:
         and the CTA's final combine, which reuses the rings' bytes once they are drained."""
         row = (self.head_dim + SMEM_ROW_PAD) * KV_DTYPE_BITS[self.kv_dtype] // 8
         ring = self.warps * self.stages * self.tile_tokens * row * 2
-        combine = (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16) * 4
-        return -(-max(ring, combine) // 16) * 16
+        return -(-max(ring, self.combine_bytes) // 16) * 16
+
+    @property
+    def combine_bytes(self) -> int:
+        """The warps' states as the final combine lays them out (fp32): per warp a max and a sum per
+        row and its G x D accumulator, then the CTA's sum and log-sum-exp per row."""
+        return (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16) * 4
+
+    @property
+    def span_bytes(self) -> int:
+        """span_rows: the first row's warp states, set aside when a warp crosses into the second
+        row, then the second row's Q; past the rings (and before nothing: no cluster inbox)."""
+        if not self.span_rows:
+            return 0
+        return -(-self.combine_bytes // 16) * 16 + self.group_size * self.head_dim * 2
 
     @property
     def static_smem_bytes(self) -> int:
@@ -190,20 +213,20 @@ class KernelSpec:
         """Dynamic shared memory: the rings (reused for the combine), then, in a cluster, the inbox
         where the other CTAs leave their partials (fp32) and log-sum-exps for this CTA's slice."""
         inbox = self.cluster * (self.cluster_slice + 16) * 4 if self.cluster > 1 else 0
-        return self.inbox_offset + inbox
+        return self.inbox_offset + inbox + self.span_bytes
 
     @property
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' appended
         when K/V arrive through bulk copies, '-st4' when warps steal tiles 4 at a time, '-mt' when
-        tokens fill the MMA rows)."""
+        tokens fill the MMA rows, '-span' when CTAs span rows)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
                 + ("-bulk" if self.kv_copy == "bulk" else "") + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
-                + ("-mt" if self.mma_m == "tokens" else ""))
+                + ("-mt" if self.mma_m == "tokens" else "") + ("-span" if self.span_rows else ""))
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)

@@ -61,6 +61,15 @@ def test_tokens_on_the_mma_rows_compile_for_sm90(head_dim, variant):
         assert "movmatrix_trans" in result.source
 
 
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_row_spanning_kernels_compile_for_sm90_without_spills(head_dim):
+    for group in (1, 4, 16):
+        spec = default_spec("sm_90", head_dim, group).replace(cluster=1, span_rows=True)
+        result = compile_cubin(spec, use_disk_cache=False)
+        assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
+        assert "cross_row" in result.source and "row_tiles" in result.source
+
+
 def test_rendered_source_carries_the_parameters():
     spec = KernelSpec(head_dim=96, group_size=3, warps=2, tile_tokens=16, stages=3, chunk_size=64)
     source = render(spec)

@@ -266,3 +266,20 @@ def test_emulator_runs_a_plan_padded_to_whole_clusters(rng):
     assert cluster == 16 and padded.num_splits > int(padded.splits_per_seq.max())
     q, k, v, lens = make_inputs(rng, lens, num_kv_heads=1, group=4, head_dim=16)
     assert_matches(*emulate_split_decode(q, k, v, lens, padded), *attention_reference(q, k, v, lens))
+
+
+@pytest.mark.parametrize("lens, num_kv_heads, tile, num_ctas", [
+    ([1000], 8, 32, 132),            # one long row per head: CTAs cross head boundaries
+    ([70, 0, 129, 5], 3, 16, 7),     # ragged and empty rows; CTAs no longer than a row
+    ([300, 300], 2, 16, 5),
+    ([64], 1, 16, 100),              # more CTAs asked for than tiles: one tile each
+])
+@pytest.mark.parametrize("group", [1, 4])
+def test_emulator_runs_a_span_plan(rng, lens, num_kv_heads, tile, num_ctas, group):
+    # span_plan: CTAs stream equal shares of all rows laid end to end; each row merges the partials
+    # of the CTAs that met it, whatever part of the row each had.
+    from splitkv.plan import span_plan
+
+    plan = span_plan(lens, num_kv_heads, tile_tokens=tile, num_ctas=num_ctas)
+    q, k, v, lens = make_inputs(rng, lens, num_kv_heads=num_kv_heads, group=group, head_dim=16)
+    assert_matches(*emulate_split_decode(q, k, v, lens, plan), *attention_reference(q, k, v, lens))

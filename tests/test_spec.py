@@ -92,6 +92,20 @@ def test_steal_tiles_needs_split_cp_async_and_a_counter_reset():
         KernelSpec(steal_tiles=True)  # a count of tiles, not a switch
 
 
+def test_span_rows_needs_split_cluster_1_fused_merge_and_cp_async():
+    spec = KernelSpec(cluster=1, span_rows=True)
+    assert spec.name.endswith("-span") and not KernelSpec(cluster=1).name.endswith("-span")
+    # The first row's warp states and the second row's Q, past the rings.
+    assert spec.smem_bytes == KernelSpec(cluster=1).smem_bytes + spec.span_bytes
+    assert spec.span_bytes >= spec.combine_bytes + spec.group_size * spec.head_dim * 2
+    for bad in ({"variant": "dense"}, {"cluster": 2}, {"fused_merge": False}, {"steal_tiles": 2},
+                {"kv_copy": "bulk"}):
+        with pytest.raises(ValueError, match="span_rows"):
+            KernelSpec(**{"cluster": 1, "span_rows": True, **bad})
+    with pytest.raises(TypeError, match="span_rows"):
+        KernelSpec(cluster=1, span_rows=1)
+
+
 def test_clusters_need_sm90():
     with pytest.raises(ValueError, match="cluster"):
         KernelSpec(arch="sm_80", cluster=2)

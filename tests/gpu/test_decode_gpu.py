@@ -258,6 +258,27 @@ def test_rows_of_several_clusters(head_dim, group, cluster, splits, lens):
              spec_changes={"cluster": cluster, "steal_tiles": 4}, q_scale=100.0, expect_cluster=cluster)
 
 
+SPAN = {"cluster": 1, "span_rows": True}
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 1), (256, 8), (96, 16), (128, 8)])
+@pytest.mark.parametrize("lens, num_kv_heads", [([65536], 8), ([4096] * 3, 5), ([3000, 0, 17, 8000], 3),
+                                                ([1000 + 77], 7), ([1], 2)])
+def test_ctas_spanning_rows(head_dim, group, lens, num_kv_heads):
+    # span_rows: equal shares of all rows' tiles; CTAs that cross from one row into the next set
+    # the first row's state aside, take the next row's Q and keep streaming; ragged and empty rows.
+    plan = run_case(head_dim, group, lens, num_kv_heads=num_kv_heads, spec_changes=SPAN, nan_tail=True)
+    assert plan.variant == "dense" or plan.row_tokens > 0
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_ctas_spanning_rows_with_forced_counts(num_splits):
+    # Forced split counts size the line of CTAs (rows x splits): many small shares, most crossing.
+    plan = run_case(128, 4, [5000, 2999, 1], variant="split", num_splits=num_splits, num_kv_heads=3,
+                    spec_changes=SPAN, nan_tail=True)
+    assert plan.row_tokens > 0 and plan.num_ctas > 1
+
+
 def test_planner_takes_several_clusters_for_rows_of_many_splits():
     # One K/V head over a long context: more splits than one cluster, merged in two levels.
     plan = run_case(128, 8, [65536], num_kv_heads=1, expect_cluster="several")
@@ -331,18 +352,20 @@ def test_return_lse_and_default_path():
     check_close(out_dev, None, ref_dev, None, lens, "bf16", "decode() device seq_lens, sm_scale")
 
 
-@pytest.mark.parametrize("steal_tiles, num_kv, lens", [(0, 4, [3000, 17, 8000, 0]), (4, 4, [3000, 17, 8000, 0]),
-                                                      (4, 1, [8000, 17, 3000, 0])])
-def test_cuda_graph_capture_and_replay(steal_tiles, num_kv, lens):
+@pytest.mark.parametrize("changes, num_kv, lens", [({}, 4, [3000, 17, 8000, 0]),
+                                                  ({"steal_tiles": 4}, 4, [3000, 17, 8000, 0]),
+                                                  ({"steal_tiles": 4}, 1, [8000, 17, 3000, 0]),
+                                                  ({"cluster": 1, "span_rows": True}, 4, [3000, 17, 8000, 0])])
+def test_cuda_graph_capture_and_replay(changes, num_kv, lens):
     # With steal_tiles the per-row tile counters must be back at zero after every launch; with one
     # K/V head the 8000-token row spans several clusters, so the merge counter is reset by the
-    # last CTA of a two-level merge.
+    # last CTA of a two-level merge; with span_rows CTAs cross rows and count for two rows.
     group, dim = 4, 128
     q, q64 = random_values((4, num_kv * group, dim), "bf16", 21)
     k, k64 = random_values((4, 8192, num_kv, dim), "bf16", 22)
     v, v64 = random_values((4, 8192, num_kv, dim), "bf16", 23)
     device_lens = cupy.asarray(lens, dtype=cupy.int32)
-    spec = default_spec("sm_90", dim, group).replace(steal_tiles=steal_tiles)
+    spec = default_spec("sm_90", dim, group).replace(**changes)
     attn = DecodeAttention(num_kv * group, num_kv, dim, spec=spec)
     stream = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()  # the inputs were written on the default stream, which `stream` does not wait for

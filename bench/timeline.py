@@ -20,7 +20,8 @@ import numpy as np
 
 #: Phase stamps in program order; a CTA that skips a phase (no merge, not the last) leaves it 0.
 #: In rows of several clusters, phases 3 and 4 are those of the second, global stage (the cluster
-#: stage's stamps are overwritten), and "done" is stamped by the row's last CTA only.
+#: stage's stamps are overwritten), and "done" is stamped by the row's last CTA only. With span_rows
+#: a CTA stamps phases 2-5 once per row it meets; the second row's stamps are kept.
 PHASES = ("start", "all warps streamed", "warps combined", "pushed / partials written", "merge inputs ready",
           "done")
 _SLOTS = 8
@@ -40,6 +41,7 @@ _AFTER = (
     ("    __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox\n", 0),
     ("    sum_lanes();\n    __syncthreads();\n", 1),
     ("    combine_warps(combined);\n    __syncthreads();\n", 2),
+    ("        combine_warps(state);\n        __syncthreads();\n", 2),  # span: per row, the last one's kept
     ("        __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed\n", 4),
     ("        __syncthreads();\n        if (!is_last) return;\n", 4),
@@ -49,7 +51,7 @@ _AFTER = (
 _BARRIER = "    __syncthreads();\n"
 _BEFORE = (
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);", "    splitkv_stamp(3);\n"),
-    ("        if (whole_row) return;\n    } else {\n        // ---- without clusters",
+    ("        if (whole_row) return;\n    } else {\n        write_partial(",
      _BARRIER + "    if (whole_row) splitkv_stamp(5);\n"),
 )
 _TAIL = "                                                num_qo_heads, num_splits, slots_used, lane);\n"

@@ -472,6 +472,20 @@ def test_timeline_stamps_every_phase_of_the_rendered_program():
     assert not missing
 
 
+def test_every_timeline_anchor_lands_in_a_rendered_program():
+    # Phases have several anchors (one per kind of merge): each must still be found, or its
+    # stamp silently goes missing for that kind of program.
+    from splitkv.codegen.render import render
+    from splitkv.heuristics import default_spec
+
+    timeline = _bench_tool("timeline")
+    base = default_spec("sm_90", 128, 4)
+    sources = [render(base), render(base.replace(cluster=1, span_rows=True))]
+    anchors = [a for a, _ in timeline._AFTER] + [a for a, _ in timeline._BEFORE] + [timeline._TAIL]
+    missing = [a for a in anchors if not any(a in source for source in sources)]
+    assert not missing
+
+
 def test_ablation_anchors_are_in_the_rendered_programs():
     from splitkv.codegen.render import render
     from splitkv.heuristics import default_spec

@@ -76,3 +76,25 @@ def test_outputs_for_foreign_arrays(monkeypatch, typestr, lse, expected):
     shape, dtype, device = runtime._new_output(q, lse=lse)
     assert (shape, dtype) == expected
     assert device == 0  # a bare interface names no device: the current one
+
+
+@pytest.mark.parametrize("changes", [{}, {"cluster": 1, "span_rows": True}, {"steal_tiles": 4}, {"cluster": 8}])
+def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, changes):
+    # The dense program derived from a caller's spec drops the split-only choices (clusters,
+    # stolen tiles, CTAs spanning rows) and keeps the CTA shape.
+    import cupy
+
+    from splitkv import DecodeAttention, KernelSpec
+
+    class Device:
+        id = 0
+        compute_capability = "90"
+        attributes = {"MultiProcessorCount": 132}
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: Device())
+    spec = KernelSpec(arch="sm_90", head_dim=128, group_size=4).replace(**changes)
+    attn = DecodeAttention(32, 8, 128, spec=spec)
+    assert attn.split_spec == spec
+    assert attn.dense_spec.variant == "dense" and attn.dense_spec.cluster == 1
+    assert not attn.dense_spec.steal_tiles and not attn.dense_spec.span_rows
+    assert (attn.dense_spec.warps, attn.dense_spec.tile_tokens) == (spec.warps, spec.tile_tokens)

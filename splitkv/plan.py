@@ -225,12 +225,12 @@ def span_plan(seq_lens, num_kv_heads, *, tile_tokens, num_ctas):
     per_cta = min(_ceil_div(total, num_ctas), row_tiles)
     plan = SplitPlan("split", per_cta * tile_tokens, 1, np.ones(lens.size, dtype=np.int32),
                      _ceil_div(total, per_cta), row_tokens=row_tiles * tile_tokens)
-    _, counts = span_rows(plan, rows)
+    _, counts = span_row_ctas(plan, rows)
     return dataclasses.replace(plan, num_splits=int(counts.max()),
                                splits_per_seq=counts.reshape(lens.size, num_kv_heads).max(axis=1))
 
 
-def span_rows(plan: SplitPlan, num_rows: int):
+def span_row_ctas(plan: SplitPlan, num_rows: int):
     """For a ``span_plan``: (first CTA, number of CTAs) of every row, as int64 arrays. Row r's
     partials sit in slots 0 .. count - 1, slot i written by CTA first + i (the kernel's arithmetic)."""
     if plan.row_tokens <= 0:

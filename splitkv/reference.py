@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from .plan import _positive_int, span_rows
+from .plan import _positive_int, span_row_ctas
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
@@ -126,7 +126,7 @@ def span_partials(q, k, v, seq_lens, plan, sm_scale=None):
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     rows = batch * num_kv_heads
-    first, counts = span_rows(plan, rows)
+    first, counts = span_row_ctas(plan, rows)
     partial_o = np.zeros((batch, plan.num_splits, num_q_heads, head_dim))
     partial_lse2 = np.full((batch, plan.num_splits, num_q_heads), -np.inf)
     for r in range(rows):

@@ -78,7 +78,7 @@ class DecodeAttention:
         if spec is None:  # the built-in shapes differ between the programs
             self.dense_spec = default_spec(self.arch, head_dim, self.group_size, q_dtype, kv_dtype, "dense")
         else:
-            self.dense_spec = base.replace(arch=self.arch, variant="dense", cluster=1, steal_tiles=0, span_rows=False)
+            self.dense_spec = base.replace(arch=self.arch).as_dense()
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None

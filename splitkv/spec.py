@@ -194,12 +194,22 @@ class KernelSpec:
         return (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16) * 4
 
     @property
+    def span_state_offset(self) -> int:
+        """span_rows: byte offset of the first row's warp states, set aside when a warp crosses
+        into the second row; past the rings (span programs have no cluster inbox)."""
+        return self.inbox_offset
+
+    @property
+    def span_q_offset(self) -> int:
+        """span_rows: byte offset of the second row's Q (16-byte aligned, past the set-aside states)."""
+        return self.span_state_offset + -(-self.combine_bytes // 16) * 16
+
+    @property
     def span_bytes(self) -> int:
-        """span_rows: the first row's warp states, set aside when a warp crosses into the second
-        row, then the second row's Q; past the rings (and before nothing: no cluster inbox)."""
+        """span_rows: the shared memory past the rings for the set-aside states and the next Q."""
         if not self.span_rows:
             return 0
-        return -(-self.combine_bytes // 16) * 16 + self.group_size * self.head_dim * 2
+        return self.span_q_offset + self.group_size * self.head_dim * 2 - self.span_state_offset
 
     @property
     def static_smem_bytes(self) -> int:
@@ -230,6 +240,11 @@ class KernelSpec:
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
+
+    def as_dense(self) -> "KernelSpec":
+        """The dense program of the same CTA shape: the split-only choices (clusters, stolen tiles,
+        CTAs spanning rows) dropped."""
+        return self.replace(variant="dense", cluster=1, steal_tiles=0, span_rows=False)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitkv.plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan, span_rows
+from splitkv.plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan, span_row_ctas
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
 # Short batches of short sequences on a small GPU reach the split path far more often.
@@ -282,7 +282,7 @@ def test_span_plan_shares_every_tile_once_and_each_cta_meets_at_most_two_rows(le
     assert (plan.num_ctas - 1) * per_cta < total <= plan.num_ctas * per_cta
     # As many CTAs as asked for, or fewer: the shares are whole tiles, and no longer than a row.
     assert plan.num_ctas <= max(num_ctas, -(-total // row_tiles))
-    first, counts = span_rows(plan, rows)
+    first, counts = span_row_ctas(plan, rows)
     # Row r's slots are its CTAs in order: the first is the one holding its first tile, the last
     # the one holding its last tile; consecutive rows share at most their boundary CTA.
     r = np.arange(rows)
@@ -301,6 +301,6 @@ def test_span_plan_fills_132_sms_with_8_heads():
     assert (plan.num_ctas, plan.tokens_per_split, plan.row_tokens, plan.num_splits) == (132, 4000, 65536, 18)
 
 
-def test_span_rows_refuses_a_plain_plan():
+def test_span_row_ctas_refuses_a_plain_plan():
     with pytest.raises(ValueError, match="span"):
-        span_rows(fixed_plan([100], 2, variant="split", chunk_size=16, num_splits=3), 2)
+        span_row_ctas(fixed_plan([100], 2, variant="split", chunk_size=16, num_splits=3), 2)

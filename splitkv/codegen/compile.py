@@ -108,13 +108,13 @@ def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True,
     ``source`` replaces the rendered program (the benchmark tools patch it to time or stamp its
     parts), compiled with the same options and headers so that it differs in nothing else.
     """
-    # A patched program keeps its source next to, not over, the rendered one's.
-    stem = spec.name if source is None else None
-    source = render(spec) if source is None else source
+    patched = source is not None
+    source = source if patched else render(spec)
     headers = helper_headers()
     options = nvrtc_options(spec.arch)
     key = _cache_key(source, headers, options)
-    stem = stem or f"{spec.name}-patched-{key[:12]}"
+    # A patched program keeps its source next to, not over, the rendered one's.
+    stem = f"{spec.name}-patched-{key[:12]}" if patched else spec.name
     with _lock:
         if key in _memory_cache:
             return _memory_cache[key]

@@ -55,8 +55,8 @@ def template_parameters(spec: KernelSpec | MergeSpec) -> dict:
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], kv_type=CUDA_TYPES[spec.kv_dtype],
                       smem_pad=SMEM_ROW_PAD, cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
-                      tile_counter_stride=TILE_COUNTER_STRIDE, span_state_offset=spec.inbox_offset,
-                      span_q_offset=spec.inbox_offset + -(-spec.combine_bytes // 16) * 16)
+                      tile_counter_stride=TILE_COUNTER_STRIDE, span_state_offset=spec.span_state_offset,
+                      span_q_offset=spec.span_q_offset)
     return params
 
 

@@ -46,8 +46,8 @@ ABLATIONS = {
                                                "        return;\n        splitkv::cluster_wait();  // every member's inbox"),
     "no epilogue (exit after the stream)": _swap("    }\n    drain(prefetched);\n",
                                                  "    }\n    drain(prefetched);\n    if (len >= 0) return;\n"),
-    "nothing (exit at once)": _swap("    extern __shared__ __align__(16) unsigned char smem[];\n",
-                                    "    extern __shared__ __align__(16) unsigned char smem[];\n    if (max_len > 0) return;\n"),
+    "nothing (exit at once)": _swap("    __shared__ unsigned long long inbox_full;",
+                                    "    __shared__ unsigned long long inbox_full; if (max_len > 0) return;"),
 }
 
 

@@ -7,7 +7,7 @@ the planner needs, computed from the compiled kernel's registers and shared memo
 
 from __future__ import annotations
 
-from .spec import KernelSpec, arch_number
+from .spec import KV_DTYPE_BITS, TMA_BOX_BYTES, KernelSpec, arch_number
 
 #: Per-SM resources by compute capability major (Ampere through Blackwell have the same limits
 #: except shared memory): registers, threads, CTAs, shared memory per SM in bytes.
@@ -23,24 +23,34 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
                  variant: str = "split") -> KernelSpec:
     """The built-in CTA shape: four warps, each streaming its own tiles through a ring in shared memory.
 
+    On sm_90 and newer, K/V tiles arrive through tensor maps (``kv_copy="tma"``) wherever a row is a
+    whole number of 128-byte boxes: a stream of 128 CTAs then reads as fast as a plain read kernel
+    (H200, 64k: 72.1 µs vs 71.4 for the read floor, 75.4 with per-lane cp.async), and the decode is
+    2–8% faster from 16k up and equal below (BENCHMARKS.md). Elsewhere (sm_80, head_dim 96) every lane
+    copies 16-byte pieces with cp.async.
+
     Split: 32-token tiles two stages deep, so one split gets a whole number of 128-token chunks
     (one tile per warp), fine enough for the planner to cut short sequences into many splits.
-    Dense: 16-token tiles three stages deep, three quarters of the ring's bytes, so two CTAs share
-    an SM; the dense program runs when the batch alone fills the GPU, often in several waves, and
-    there a second resident CTA hides the first one's prologue and tail (H200, D=128: 4-6% faster at
-    B=64 x 1k and B=128 x 512, within 1% at B=16 x 4k). head_dim 256 keeps 16-token tiles two
-    stages deep for both, to fit the ring in shared memory. Groups up to 8 put the tokens on the
-    MMA's 16 rows (``mma_m="tokens"``) instead of padding the query heads to 16 rows (H200, D=128,
-    G=4: 1-3% faster up to 16k tokens, equal beyond).
+    Dense with cp.async: 16-token tiles three stages deep, three quarters of the ring's bytes, so two
+    CTAs share an SM; the dense program runs when the batch alone fills the GPU, often in several
+    waves, and there a second resident CTA hides the first one's prologue and tail (H200, D=128: 4-6%
+    faster at B=64 x 1k and B=128 x 512, within 1% at B=16 x 4k). Dense with tensor maps: the split
+    shape, which was faster than 16-token tiles at B=16 x 4k and B=64 x 1k (75.8 vs 77.0 and 76.8 vs
+    77.8 µs). head_dim 256 keeps 16-token tiles two stages deep for both, to fit the ring in shared
+    memory. Groups up to 8 put the tokens on the MMA's 16 rows (``mma_m="tokens"``) instead of
+    padding the query heads to 16 rows (H200, D=128, G=4: 1-3% faster up to 16k tokens, equal beyond).
     """
     dense = variant == "dense"
-    tile = 16 if head_dim > 128 or dense else 32
-    stages = 3 if dense and head_dim <= 128 else 2
+    tma = arch_number(arch) >= 90 and (head_dim * KV_DTYPE_BITS[kv_dtype] // 8) % TMA_BOX_BYTES == 0
+    small_dense = dense and not tma
+    tile = 16 if head_dim > 128 or small_dense else 32
+    stages = 3 if small_dense and head_dim <= 128 else 2
     warps = 4
     cluster = 16 if variant == "split" and arch_number(arch) >= 90 else 1
     return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
                       variant=variant, chunk_size=warps * tile, warps=warps, tile_tokens=tile, stages=stages,
-                      cluster=cluster, mma_m="tokens" if group_size <= 8 else "heads")
+                      cluster=cluster, kv_copy="tma" if tma else "cp_async",
+                      mma_m="tokens" if group_size <= 8 else "heads")
 
 
 def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:

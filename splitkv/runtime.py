@@ -20,7 +20,8 @@ import numpy as np
 from . import tensors
 from .heuristics import default_spec, resident_ctas_per_sm
 from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan
-from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from .spec import KV_DTYPE_BITS, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from .tensor_map import TensorMapCache
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -84,6 +85,7 @@ class DecodeAttention:
         self._validated_layout: tuple | None = None
         self._cluster_fit: dict[int, int | None] = {}
         self._workspace: dict[str, object] = {}
+        self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
     def plan(self, seq_lens, max_len: int | None = None, *, variant: str | None = None,
@@ -248,12 +250,18 @@ class DecodeAttention:
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(_data_ptr(x)) for x in arrays)
 
         plan, spec = launch.plan, launch.spec
+        cache_len = _cache_len(k)
+        maps = ()
+        if spec.kv_copy == "tma":  # K and V as [batch x cache_len][num_kv_heads x head_dim]
+            view = (launch.batch * cache_len, self.num_kv_heads * self.head_dim,
+                    KV_DTYPE_BITS[spec.kv_dtype] // 8, spec.tile_tokens)
+            maps = (self._tensor_maps.argument(int(k_ptr), *view), self._tensor_maps.argument(int(v_ptr), *view))
         with _stream(tensors.stream_ptr(q, stream)):
             launch.decode_fn(
                 launch.grid, (spec.threads,),
                 (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
-                 np.int32(_cache_len(k)), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
-                 np.float32(self.sm_scale * _LOG2E), *launch.span_args),
+                 np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
+                 np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps),
                 shared_mem=spec.smem_bytes)
             if launch.merge_fn is not None:
                 rows = launch.batch * self.num_qo_heads
@@ -262,7 +270,7 @@ class DecodeAttention:
                     ((rows + warps - 1) // warps,), (_MERGE_THREADS,),
                     (*launch.workspace_ptrs[:2], launch.seq_lens_ptr, out_ptr, lse_ptr, np.int32(launch.batch),
                      np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split),
-                     np.int32(_cache_len(k))))
+                     np.int32(cache_len)))
         return (out, lse) if return_lse else out
 
     def _validate(self, arrays) -> None:

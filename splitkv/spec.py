@@ -33,7 +33,11 @@ STAGES = (2, 3, 4)
 CLUSTERS = (1, 2, 4, 8, 16)
 #: How K/V rows reach shared memory. cp_async: every lane copies 16-byte pieces (sm_80+).
 #: bulk: one cp.async.bulk per token row on the copy engine, counted on an mbarrier (sm_90+).
-KV_COPIES = ("cp_async", "bulk")
+#: tma: the copy engine fetches a tile's K and V as 2-D boxes of 128 bytes x tile_tokens rows,
+#: described by tensor maps the host encodes per cache (sm_90+, rows a whole number of boxes).
+KV_COPIES = ("cp_async", "bulk", "tma")
+#: Bytes of a tensor-map box row: the span of the copy engine's 128-byte swizzle.
+TMA_BOX_BYTES = 128
 #: Tiles per draw from a row's tile counter (0: no stealing).
 STEAL_TILES = (0, 1, 2, 4, 8)
 #: Ints between two rows' tile counters, and the alignment of the first: one 128-byte L2 line per
@@ -130,8 +134,11 @@ class KernelSpec:
         if self.variant == "dense" and self.cluster != 1:
             raise ValueError("cluster: the dense program has no splits to merge; use cluster=1")
         _check_choice("kv_copy", self.kv_copy, KV_COPIES)
-        if self.kv_copy == "bulk" and arch_number(self.arch) < 90:
-            raise ValueError(f"kv_copy: 'bulk' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
+        if self.kv_copy in ("bulk", "tma") and arch_number(self.arch) < 90:
+            raise ValueError(f"kv_copy: '{self.kv_copy}' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
+        if self.kv_copy == "tma" and (self.head_dim * KV_DTYPE_BITS[self.kv_dtype] // 8) % TMA_BOX_BYTES:
+            raise ValueError(f"kv_copy: 'tma' copies K/V rows in boxes of {TMA_BOX_BYTES} bytes; head_dim "
+                             f"{self.head_dim} of {self.kv_dtype} is not a whole number of them")
         _check_choice("mma_m", self.mma_m, MMA_M)
         if self.mma_m == "tokens" and self.group_size > 8:
             raise ValueError(f"mma_m: 'tokens' puts the query heads on the MMA's 8 columns; "
@@ -180,10 +187,16 @@ class KernelSpec:
         return -(-self.group_size * self.head_dim // (4 * self.cluster)) * 4
 
     @property
+    def smem_pad(self) -> int:
+        """Elements of padding after each K/V row in shared memory: none where the copy engine
+        swizzles the rows instead (tma)."""
+        return 0 if self.kv_copy == "tma" else SMEM_ROW_PAD
+
+    @property
     def inbox_offset(self) -> int:
         """Byte offset of the cluster inbox in dynamic shared memory: past the per-warp K/V rings
         and the CTA's final combine, which reuses the rings' bytes once they are drained."""
-        row = (self.head_dim + SMEM_ROW_PAD) * KV_DTYPE_BITS[self.kv_dtype] // 8
+        row = (self.head_dim + self.smem_pad) * KV_DTYPE_BITS[self.kv_dtype] // 8
         ring = self.warps * self.stages * self.tile_tokens * row * 2
         return -(-max(ring, self.combine_bytes) // 16) * 16
 
@@ -215,8 +228,9 @@ class KernelSpec:
     def static_smem_bytes(self) -> int:
         """Shared memory the program declares statically (barriers, flags, per-stage tile starts),
         on top of ``smem_bytes``; both count against the per-CTA limit. An upper bound."""
-        per_stage = (16 if self.kv_copy == "bulk" else 0) + (4 if self.steal_tiles else 0)
-        return 16 + self.warps * self.stages * per_stage
+        per_stage = (16 if self.kv_copy in ("bulk", "tma") else 0) + (4 if self.steal_tiles else 0)
+        # tma: up to 1024 bytes of padding put the dynamic rings on a 1024-byte boundary
+        return 16 + self.warps * self.stages * per_stage + (1024 if self.kv_copy == "tma" else 0)
 
     @property
     def smem_bytes(self) -> int:
@@ -227,15 +241,15 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' appended
-        when K/V arrive through bulk copies, '-st4' when warps steal tiles 4 at a time, '-mt' when
+        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' or '-tma'
+        appended when K/V arrive through bulk or tensor copies, '-st4' when warps steal tiles 4 at a time, '-mt' when
         tokens fill the MMA rows, '-span' when CTAs span rows)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
-                + ("-bulk" if self.kv_copy == "bulk" else "") + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
+                + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}") + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
                 + ("-mt" if self.mma_m == "tokens" else "") + ("-span" if self.span_rows else ""))
 
     def replace(self, **changes) -> "KernelSpec":

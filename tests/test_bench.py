@@ -480,7 +480,7 @@ def test_every_timeline_anchor_lands_in_a_rendered_program():
 
     timeline = _bench_tool("timeline")
     base = default_spec("sm_90", 128, 4)
-    sources = [render(base), render(base.replace(cluster=1, span_rows=True))]
+    sources = [render(base), render(base.replace(cluster=1, span_rows=True, kv_copy="cp_async"))]
     anchors = [a for a, _ in timeline._AFTER] + [a for a, _ in timeline._BEFORE] + [timeline._TAIL]
     missing = [a for a in anchors if not any(a in source for source in sources)]
     assert not missing

@@ -49,6 +49,19 @@ def test_bulk_copy_kernels_compile_for_sm90(changes):
     assert "cp.async.bulk" in result.source or "bulk_copy_to_smem" in result.source
 
 
+@pytest.mark.parametrize("changes", [
+    {}, {"variant": "dense", "cluster": 1}, {"mma_m": "tokens"},
+    {"head_dim": 256, "group_size": 16, "tile_tokens": 16, "chunk_size": 64, "cluster": 16},
+    {"head_dim": 64, "group_size": 1, "warps": 8, "tile_tokens": 16, "stages": 3, "cluster": 1},
+], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
+def test_tensor_copy_kernels_compile_for_sm90(changes):
+    spec = KernelSpec(arch="sm_90", chunk_size=128, cluster=8, kv_copy="tma").replace(**changes)
+    result = compile_cubin(spec, use_disk_cache=False)
+    assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
+    assert "tensor_copy_2d_to_smem" in result.source and "__grid_constant__" in result.source
+    assert "cp_async_16(" not in result.source.split("splitkv_decode(")[1]  # no per-lane copies left
+
+
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("variant", ["dense", "split"])
 def test_tokens_on_the_mma_rows_compile_for_sm90(head_dim, variant):
@@ -64,7 +77,7 @@ def test_tokens_on_the_mma_rows_compile_for_sm90(head_dim, variant):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_row_spanning_kernels_compile_for_sm90_without_spills(head_dim):
     for group in (1, 4, 16):
-        spec = default_spec("sm_90", head_dim, group).replace(cluster=1, span_rows=True)
+        spec = default_spec("sm_90", head_dim, group).replace(cluster=1, span_rows=True, kv_copy="cp_async")
         result = compile_cubin(spec, use_disk_cache=False)
         assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
         assert "cross_row" in result.source and "row_tiles" in result.source
@@ -144,7 +157,7 @@ def test_ptxas_log_parsing():
 
 
 def test_occupancy_arithmetic():
-    spec = default_spec("sm_90", 128, 4)
+    spec = default_spec("sm_90", 128, 4).replace(kv_copy="cp_async")  # padded rows
     # 139 KB of shared memory: one CTA per SM whatever the registers.
     assert spec.smem_bytes > 114 * 1024
     assert resident_ctas_per_sm(spec, 128) == 1

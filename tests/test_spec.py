@@ -20,7 +20,7 @@ def test_bad_arch(arch):
 @pytest.mark.parametrize("field, value", [
     ("head_dim", 80), ("group_size", 0), ("group_size", 17), ("q_dtype", "fp32"), ("kv_dtype", "int8"),
     ("variant", "paged"), ("warps", 3), ("tile_tokens", 8), ("stages", 1), ("chunk_size", 0),
-    ("chunk_size", 48), ("kv_copy", "tma"), ("mma_m", "dims"),
+    ("chunk_size", 48), ("kv_copy", "tensor"), ("mma_m", "dims"),
 ])
 def test_bad_field_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -63,6 +63,22 @@ def test_bulk_copies_need_sm90():
     assert KernelSpec(arch="sm_90", kv_copy="bulk").name.endswith("-bulk")
     with pytest.raises(ValueError, match="kv_copy"):
         KernelSpec(arch="sm_80", kv_copy="bulk")
+
+
+def test_tensor_copies_need_sm90_and_whole_boxes():
+    spec = KernelSpec(arch="sm_90", kv_copy="tma")
+    assert spec.name.endswith("-tma")
+    assert spec.smem_pad == 0 and KernelSpec(arch="sm_90").smem_pad > 0  # swizzled, not padded
+    with pytest.raises(ValueError, match="kv_copy"):
+        KernelSpec(arch="sm_80", kv_copy="tma")
+    with pytest.raises(ValueError, match="boxes of 128 bytes"):
+        KernelSpec(arch="sm_90", kv_copy="tma", head_dim=96)
+    for bad in ({"steal_tiles": 1}, {"span_rows": True, "cluster": 1}):
+        with pytest.raises(ValueError, match="cp_async"):
+            spec.replace(**bad)
+    # The unpadded rings are smaller; the 1024-byte alignment of the rings counts as static memory.
+    assert spec.smem_bytes < KernelSpec(arch="sm_90").smem_bytes
+    assert spec.static_smem_bytes >= 1024
 
 
 def test_cluster_inbox_sits_past_the_rings_and_the_combine():

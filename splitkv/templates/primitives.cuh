@@ -54,6 +54,18 @@ __device__ __forceinline__ void bulk_copy_to_smem(void* smem_dst, const void* gm
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
+// A tensor map (CUtensorMap) as the host encodes it: 128 opaque bytes, 64-byte aligned. Passed to
+// the kernel by value as a __grid_constant__ parameter, so its address is a valid TMA operand.
+struct alignas(64) TensorMap {
+    unsigned long long words[16];
+};
+// One box of a 2-D tensor, starting at element (c0 = column, c1 = row), into shared memory, its
+// bytes counted on `bar`. Rows past the tensor's end arrive as zeros (and are counted too).
+__device__ __forceinline__ void tensor_copy_2d_to_smem(void* smem_dst, const TensorMap* map, int c0, int c1,
+                                                       unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 :: "r"(smem_addr(smem_dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar)) : "memory");
+}
 // Orders this thread's plain shared-memory writes before later bulk copies into the same bytes.
 __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

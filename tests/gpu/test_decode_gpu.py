@@ -187,13 +187,17 @@ def test_planner_choice_and_extreme_logits(group):
     {"kv_copy": "bulk", "cluster": 1},
     {"kv_copy": "bulk", "warps": 8, "tile_tokens": 16, "stages": 3, "chunk_size": 128},
     {"kv_copy": "bulk", "warps": 2, "tile_tokens": 64, "chunk_size": 128},
-    {"steal_tiles": 1},
-    {"steal_tiles": 4, "cluster": 1},
-    {"steal_tiles": 2, "cluster": 4, "stages": 3},
-    {"steal_tiles": 8, "warps": 8, "tile_tokens": 16, "chunk_size": 128},
-    {"mma_m": "tokens", "steal_tiles": 4},
+    {"kv_copy": "cp_async", "steal_tiles": 1},
+    {"kv_copy": "cp_async", "steal_tiles": 4, "cluster": 1},
+    {"kv_copy": "cp_async", "steal_tiles": 2, "cluster": 4, "stages": 3},
+    {"kv_copy": "cp_async", "steal_tiles": 8, "warps": 8, "tile_tokens": 16, "chunk_size": 128},
+    {"mma_m": "tokens", "steal_tiles": 4, "kv_copy": "cp_async"},
     {"mma_m": "tokens", "warps": 8, "tile_tokens": 16, "chunk_size": 128, "cluster": 1},
     {"mma_m": "tokens", "warps": 2, "tile_tokens": 64, "chunk_size": 128, "kv_copy": "bulk"},
+    {"kv_copy": "tma"},
+    {"kv_copy": "tma", "cluster": 1},
+    {"kv_copy": "tma", "warps": 8, "tile_tokens": 16, "stages": 3, "chunk_size": 128},
+    {"kv_copy": "tma", "mma_m": "tokens", "warps": 2, "tile_tokens": 64, "chunk_size": 128},
 ])
 def test_cta_shapes_clusters_and_separate_merge(changes):
     # 8 and 16 splits: one cluster per row, or rows spanning several clusters merged through
@@ -214,6 +218,36 @@ def test_bulk_copies(head_dim, variant):
 
 
 @pytest.mark.parametrize("variant", ["dense", "split"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_tensor_copies(head_dim, variant):
+    # K/V tiles as swizzled boxes through tensor maps: head_dims of one, two and four boxes, groups
+    # 1 to 16, fp16 too, NaN past ragged lengths (the boxes fetch whole tiles past them), the last
+    # sequence's tail past the end of the tensor (zero-filled by the copy engine), one long row.
+    for group in (1, 4, 16):
+        run_case(head_dim, group, [0, 1, 33, 1077, 4096, 3], variant=variant, num_splits=5, nan_tail=True,
+                 max_len=4100, spec_changes={"kv_copy": "tma"})
+    run_case(head_dim, 2, [1000, 77], variant=variant, num_splits=3, dtype="fp16", spec_changes={"kv_copy": "tma"})
+    run_case(head_dim, 8, [65536], variant=variant, num_splits=16, num_kv_heads=1, spec_changes={"kv_copy": "tma"})
+
+
+def test_tensor_maps_follow_the_cache():
+    # One DecodeAttention over two caches in turn: each call must read the cache it is given
+    # (the tensor maps are kept per cache address), including the first one again.
+    group, dim, lens = 4, 128, [700, 2000]
+    spec = default_spec("sm_90", dim, group).replace(kv_copy="tma")
+    attn = DecodeAttention(2 * group, 2, dim, spec=spec)
+    attn.plan(lens, variant="split", num_splits=4)
+    q, q64 = random_values((2, 2 * group, dim), "bf16", 51)
+    caches = [tuple(random_values((2, 2048, 2, dim), "bf16", 52 + 2 * i + j) for j in range(2)) for i in range(2)]
+    for i in (0, 1, 0):
+        (k, k64), (v, v64) = caches[i]
+        out = poisoned((2, 2 * group, dim), "bf16")
+        attn.run(q, k, v, out=out)
+        ref_out, _ = reference(q64, k64, v64, lens, 1 / math.sqrt(dim))
+        check_close(out, None, ref_out, None, lens, "bf16", f"cache {i}")
+
+
+@pytest.mark.parametrize("variant", ["dense", "split"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_tokens_on_the_mma_rows(head_dim, variant):
     # K and V as the MMAs' A operands (16 tokens per MMA), Q and P as B (the heads as columns):
@@ -226,7 +260,7 @@ def test_tokens_on_the_mma_rows(head_dim, variant):
     run_case(head_dim, 8, [3000, 5, 0, 4096], spec_changes=changes, q_scale=300.0)  # extreme logits
 
 
-@pytest.mark.parametrize("kv_copy", ["cp_async", "bulk"])
+@pytest.mark.parametrize("kv_copy", ["cp_async", "bulk", "tma"])
 @pytest.mark.parametrize("variant", ["dense", "split"])
 def test_nan_in_the_cache_past_the_length_never_leaks(variant, kv_copy):
     # The first tiles are fetched before the length is known, so rows past it reach shared memory.
@@ -241,8 +275,8 @@ def test_stolen_tiles(head_dim, group, steal):
     # whatever the draw order, draws may straddle splits, and rows of different lengths share
     # nothing (the counters' reset between launches is checked by the CUDA-graph test).
     run_case(head_dim, group, [65536, 5000, 0, 129, 4096 + 77], variant="split", num_splits=16,
-             spec_changes={"steal_tiles": steal, "cluster": 1}, nan_tail=True, max_len=65536)
-    run_case(head_dim, group, [20000, 3], variant="split", num_splits=8, spec_changes={"steal_tiles": steal})
+             spec_changes={"steal_tiles": steal, "cluster": 1, "kv_copy": "cp_async"}, nan_tail=True, max_len=65536)
+    run_case(head_dim, group, [20000, 3], variant="split", num_splits=8, spec_changes={"steal_tiles": steal, "kv_copy": "cp_async"})
 
 
 @pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 16), (256, 8), (96, 1)])
@@ -255,10 +289,10 @@ def test_rows_of_several_clusters(head_dim, group, cluster, splits, lens):
     run_case(head_dim, group, lens, variant="split", num_splits=splits, num_kv_heads=1, max_len=65536,
              spec_changes={"cluster": cluster}, nan_tail=True, expect_cluster=cluster)
     run_case(head_dim, group, [65536], variant="split", num_splits=splits, num_kv_heads=1,
-             spec_changes={"cluster": cluster, "steal_tiles": 4}, q_scale=100.0, expect_cluster=cluster)
+             spec_changes={"cluster": cluster, "steal_tiles": 4, "kv_copy": "cp_async"}, q_scale=100.0, expect_cluster=cluster)
 
 
-SPAN = {"cluster": 1, "span_rows": True}
+SPAN = {"cluster": 1, "span_rows": True, "kv_copy": "cp_async"}
 
 
 @pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 1), (256, 8), (96, 16), (128, 8)])
@@ -353,9 +387,10 @@ def test_return_lse_and_default_path():
 
 
 @pytest.mark.parametrize("changes, num_kv, lens", [({}, 4, [3000, 17, 8000, 0]),
-                                                  ({"steal_tiles": 4}, 4, [3000, 17, 8000, 0]),
-                                                  ({"steal_tiles": 4}, 1, [8000, 17, 3000, 0]),
-                                                  ({"cluster": 1, "span_rows": True}, 4, [3000, 17, 8000, 0])])
+                                                  ({"kv_copy": "cp_async", "steal_tiles": 4}, 4, [3000, 17, 8000, 0]),
+                                                  ({"kv_copy": "cp_async", "steal_tiles": 4}, 1, [8000, 17, 3000, 0]),
+                                                  ({"cluster": 1, "span_rows": True, "kv_copy": "cp_async"}, 4, [3000, 17, 8000, 0]),
+                                                  ({"kv_copy": "tma"}, 4, [3000, 17, 8000, 0])])
 def test_cuda_graph_capture_and_replay(changes, num_kv, lens):
     # With steal_tiles the per-row tile counters must be back at zero after every launch; with one
     # K/V head the 8000-token row spans several clusters, so the merge counter is reset by the

@@ -1,0 +1,120 @@
+"""Tensor maps for the programs whose K/V tiles arrive through the copy engine (``kv_copy="tma"``).
+
+A tensor map (the driver's ``CUtensorMap``) describes a 2-D view of a K or V cache to the copy
+engine: here ``[batch x max_len][num_kv_heads x head_dim]`` elements, rows ``num_kv_heads x
+head_dim`` elements apart, fetched as boxes of 128 bytes x ``tile_tokens`` rows with the 128-byte
+swizzle the program's ``kv_at`` undoes. The map holds the cache's address, so it is encoded on
+the host for each cache a program reads (``cuTensorMapEncodeTiled``, a pure host call: no
+synchronisation, no device memory) and passed to the kernel by value; `TensorMapCache` keeps the
+last few, so a decode loop over the same cache encodes once.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+
+import numpy as np
+
+from .spec import TMA_BOX_BYTES
+
+#: CUtensorMap is 128 bytes, 64-byte aligned.
+MAP_BYTES = 128
+MAP_ALIGN = 64
+# Enumerators of cuda.h that the encode call takes.
+_DTYPE_UINT8, _DTYPE_UINT16 = 0, 1
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_NONE = 0  # 256-byte promotion measured 6% slower at 128k (H200), none and 128 B equal
+_OOB_FILL_ZEROS = 0
+#: Encoded maps kept per cache (a few: K and V of the caches a loop alternates between).
+CACHE_ENTRIES = 8
+
+_driver = None
+_driver_lock = threading.Lock()
+
+
+def _encode_function():
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            try:
+                _driver = ctypes.CDLL("libcuda.so.1")
+            except OSError as exc:
+                raise RuntimeError("kv_copy='tma' needs the CUDA driver library (libcuda.so.1) to encode "
+                                   f"tensor maps: {exc}") from exc
+            fn = _driver.cuTensorMapEncodeTiled
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                           ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                           ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        return _driver.cuTensorMapEncodeTiled
+
+
+def _aligned_buffer() -> np.ndarray:
+    """128 bytes of host memory on a 64-byte boundary (the encode call checks the alignment)."""
+    raw = np.zeros(MAP_BYTES + MAP_ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % MAP_ALIGN
+    return raw[start:start + MAP_BYTES]
+
+
+def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int) -> dict:
+    """The encode call's arguments for a row-major [rows][cols] matrix read in boxes of
+    128 bytes x ``box_rows`` rows (checked here, so a bad shape fails with a clear message)."""
+    if elem_bytes not in (1, 2):
+        raise ValueError(f"tensor map: elements of {elem_bytes} bytes are not supported (1 or 2)")
+    row_bytes = cols * elem_bytes
+    if row_bytes % 16:
+        raise ValueError(f"tensor map: rows of {row_bytes} bytes; the copy engine needs a multiple of 16")
+    if not 1 <= box_rows <= 256:
+        raise ValueError(f"tensor map: boxes of {box_rows} rows; the copy engine takes 1 to 256")
+    if rows < 1 or rows >= 2**31 or cols >= 2**31:
+        raise ValueError(f"tensor map: a [{rows}][{cols}] view is outside the copy engine's coordinates")
+    return {"dtype": _DTYPE_UINT8 if elem_bytes == 1 else _DTYPE_UINT16,
+            "dims": (cols, rows), "row_stride": row_bytes,
+            "box": (TMA_BOX_BYTES // elem_bytes, box_rows)}
+
+
+def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int) -> np.ndarray:
+    """The tensor map of the device matrix at ``ptr`` (see `box_geometry`), as 128 host bytes."""
+    geo = box_geometry(rows, cols, elem_bytes, box_rows)
+    if ptr % 16:
+        raise ValueError(f"tensor map: the cache's address {ptr:#x} is not 16-byte aligned")
+    out = _aligned_buffer()
+    dims = (ctypes.c_uint64 * 2)(*geo["dims"])
+    strides = (ctypes.c_uint64 * 1)(geo["row_stride"])
+    box = (ctypes.c_uint32 * 2)(*geo["box"])
+    steps = (ctypes.c_uint32 * 2)(1, 1)
+    status = _encode_function()(out.ctypes.data, geo["dtype"], 2, ctypes.c_void_p(ptr), dims, strides, box, steps,
+                                _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_NONE, _OOB_FILL_ZEROS)
+    if status != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a [{rows}][{cols}] "
+                           f"view of {elem_bytes}-byte elements at {ptr:#x}, boxes of {geo['box']}")
+    return out
+
+
+class TensorMapCache:
+    """Kernel arguments (by value) for the tensor maps of the last few caches seen."""
+
+    def __init__(self, entries: int = CACHE_ENTRIES):
+        self._entries = entries
+        self._maps: collections.OrderedDict = collections.OrderedDict()
+
+    def argument(self, ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int):
+        """A launch argument that passes the map by value (CuPy copies the 128 bytes it points at
+        when the kernel is launched or captured)."""
+        from cupy.cuda.function import CPointer
+
+        key = (ptr, rows, cols, elem_bytes, box_rows)
+        held = self._maps.get(key)
+        if held is None:
+            buffer = encode(ptr, rows, cols, elem_bytes, box_rows)
+            held = (buffer, CPointer(buffer.ctypes.data))  # the buffer lives as long as its pointer
+            self._maps[key] = held
+            if len(self._maps) > self._entries:
+                self._maps.popitem(last=False)
+        else:
+            self._maps.move_to_end(key)
+        return held[1]

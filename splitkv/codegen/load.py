@@ -41,7 +41,8 @@ def load_module(spec: KernelSpec | MergeSpec, *, source: str | None = None):
     module = cupy.RawModule(path=str(result.cubin_path))
     function = module.get_function(kernel_name(spec))
     smem = getattr(spec, "smem_bytes", 0)
-    if smem > _DEFAULT_SMEM_LIMIT:
+    # The 48 KB a CTA gets without opting in counts static and dynamic shared memory together.
+    if smem + getattr(spec, "static_smem_bytes", 0) > _DEFAULT_SMEM_LIMIT:
         function.max_dynamic_shared_size_bytes = smem
     if getattr(spec, "cluster", 1) > _PORTABLE_CLUSTER:
         from cupy_backends.cuda.api import driver

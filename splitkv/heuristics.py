@@ -26,8 +26,8 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     On sm_90 and newer, K/V tiles arrive through tensor maps (``kv_copy="tma"``) wherever a row is a
     whole number of 128-byte boxes: a stream of 128 CTAs then reads as fast as a plain read kernel
     (H200, 64k: 72.1 µs vs 71.4 for the read floor, 75.4 with per-lane cp.async), and the decode is
-    2–8% faster from 16k up and equal below (BENCHMARKS.md). Elsewhere (sm_80, head_dim 96) every lane
-    copies 16-byte pieces with cp.async.
+    4-8% faster from 16k up, 1-6% at 1k-4k (H200, 13ca46a; BENCHMARKS.md). Elsewhere (sm_80,
+    head_dim 96) every lane copies 16-byte pieces with cp.async.
 
     Split: 32-token tiles two stages deep, so one split gets a whole number of 128-token chunks
     (one tile per warp), fine enough for the planner to cut short sequences into many splits.
@@ -35,8 +35,7 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     CTAs share an SM; the dense program runs when the batch alone fills the GPU, often in several
     waves, and there a second resident CTA hides the first one's prologue and tail (H200, D=128: 4-6%
     faster at B=64 x 1k and B=128 x 512, within 1% at B=16 x 4k). Dense with tensor maps: the split
-    shape, which was faster than 16-token tiles at B=16 x 4k and B=64 x 1k (75.8 vs 77.0 and 76.8 vs
-    77.8 µs). head_dim 256 keeps 16-token tiles two stages deep for both, to fit the ring in shared
+    shape, faster than 16-token tiles three deep at B=64 x 1k (76.8 vs 77.8 µs). head_dim 256 keeps 16-token tiles two stages deep for both, to fit the ring in shared
     memory. Groups up to 8 put the tokens on the MMA's 16 rows (``mma_m="tokens"``) instead of
     padding the query heads to 16 rows (H200, D=128, G=4: 1-3% faster up to 16k tokens, equal beyond).
     """

@@ -18,18 +18,25 @@ __device__ __forceinline__ void cp16(void* s, const void* g) {
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
-// K, V: [L, H, 128] bf16 (as 16-bit words). CTA = blockIdx.x: head = % H, split = / H.
+// CTA blockIdx.x streams one K/V head over one split (ORDER 0: consecutive CTAs take the heads of
+// one split; 1: the splits of one head); its warp w takes tiles w, w + WARPS, ...
+struct Share { int head, begin, my_tiles; };
+__device__ __forceinline__ Share share_of(int H, int tokens_per_split, int warp) {
+  const int S = gridDim.x / H;
+  const int head = ORDER ? blockIdx.x / S : blockIdx.x % H, split = ORDER ? blockIdx.x % S : blockIdx.x / H;
+  const int tiles = tokens_per_split / TILE;
+  return {head, split * tokens_per_split, (tiles - warp + WARPS - 1) / WARPS};
+}
+
+// K, V: [L, H, 128] bf16 (as 16-bit words).
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) ring_read(const unsigned short* __restrict__ k,
     const unsigned short* __restrict__ v, int H, int tokens_per_split, unsigned* sink, int spin) {
   constexpr int D = 128, ROW = D + 8, TILE_ELEMS = TILE * ROW, CH = D / 8;  // 16-byte chunks per row
   constexpr int LOADS = TILE * CH / 32;
   extern __shared__ __align__(16) unsigned short smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int S = gridDim.x / H;
-  const int head = ORDER ? blockIdx.x / S : blockIdx.x % H, split = ORDER ? blockIdx.x % S : blockIdx.x / H;
-  const int begin = split * tokens_per_split;
-  const int tiles = tokens_per_split / TILE;
-  const int my_tiles = (tiles - warp + WARPS - 1) / WARPS;
+  const Share share = share_of(H, tokens_per_split, warp);
+  const int head = share.head, begin = share.begin, my_tiles = share.my_tiles;
   unsigned short* ring = smem + warp * STAGES * 2 * TILE_ELEMS;
   const size_t ts = (size_t)H * D;
   const unsigned short* kh = k + (size_t)head * D;
@@ -97,11 +104,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) tma_read(const unsig
   unsigned short* smem = smem2;
   __shared__ unsigned long long bars[WARPS][STAGES];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int S = gridDim.x / H;
-  const int head = ORDER ? blockIdx.x / S : blockIdx.x % H, split = ORDER ? blockIdx.x % S : blockIdx.x / H;
-  const int begin = split * tokens_per_split;
-  const int tiles = tokens_per_split / TILE;
-  const int my_tiles = (tiles - warp + WARPS - 1) / WARPS;
+  const Share share = share_of(H, tokens_per_split, warp);
+  const int head = share.head, begin = share.begin, my_tiles = share.my_tiles;
   unsigned short* ring = smem + warp * STAGES * 2 * TILE_ELEMS;
   if (lane < STAGES) mbar_init(&bars[warp][lane], 1);
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

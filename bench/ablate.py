@@ -24,8 +24,18 @@ from splitkv.floor import ReadFloor
 
 
 def _cut(source: str, start: str, stop: str) -> str:
-    a, b = source.index(start), source.index(stop)
+    """The source without [start, the first stop after it)."""
+    a = source.index(start)
+    b = source.index(stop, a)
     return source[:a] + source[b:]
+
+
+def _stream_only(source: str) -> str:
+    """The loop without S, the softmax and P V, but still waiting for every tile's V: a CTA must
+    not refill a stage, or exit, while the copy engine still writes into it."""
+    source = _cut(source, "        // S = Q K^T", "        if constexpr (WAIT_V_LATER) {")
+    pv = "        // O^T += V^T P^T" if "        // O^T += V^T P^T" in source else "        // O += P V"
+    return _cut(source, pv, "        __syncwarp();  // every lane has read this stage")
 
 
 def _swap(old: str, new: str):
@@ -41,7 +51,7 @@ ABLATIONS = {
     "no length read (length = L)": _swap("min(seq_lens[batch_idx], max_len)", "max_len"),
     "no Q loads": _swap("        if (row >= GROUP) return 0u;\n", "        return 0x3f803f80u;\n"),
     "no global merge tail": _swap("    if (!FUSED_MERGE) return;\n", "    return;\n"),
-    "stream-only (no math)": lambda s: _cut(s, "        // S = Q K^T", "        __syncwarp();  // every lane has read this stage"),
+    "stream-only (no math)": _stream_only,
     "no cluster merge (each CTA exits)": _swap("        splitkv::cluster_wait();  // every member's inbox",
                                                "        return;\n        splitkv::cluster_wait();  // every member's inbox"),
     "no epilogue (exit after the stream)": _swap("    }\n    drain(prefetched);\n",

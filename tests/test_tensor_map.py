@@ -31,3 +31,26 @@ def test_map_buffers_are_aligned():
     for _ in range(8):
         buf = _aligned_buffer()
         assert buf.ctypes.data % MAP_ALIGN == 0 and buf.nbytes == MAP_BYTES and buf.dtype == np.uint8
+
+
+def test_cache_encodes_each_cache_once_and_keeps_the_latest(monkeypatch):
+    # run() asks for the maps of K and V on every call: a loop over the same cache must not encode
+    # again, and the oldest caches give way once more than `entries` are in use.
+    import splitkv.tensor_map as tm
+
+    encoded = []
+
+    def fake_encode(ptr, rows, cols, elem_bytes, box_rows):
+        encoded.append(ptr)
+        buf = tm._aligned_buffer()
+        buf[:8] = np.frombuffer(np.uint64(ptr).tobytes(), dtype=np.uint8)
+        return buf
+
+    monkeypatch.setattr(tm, "encode", fake_encode)
+    cache = tm.TensorMapCache(entries=2)
+    first = cache.argument(0x1000, 10, 1024, 2, 32)
+    assert cache.argument(0x1000, 10, 1024, 2, 32) is first and encoded == [0x1000]
+    cache.argument(0x1000, 10, 1024, 2, 16)  # another box: another map
+    cache.argument(0x2000, 10, 1024, 2, 32)  # evicts the least recently used (0x1000, box 32)
+    assert encoded == [0x1000, 0x1000, 0x2000]
+    assert cache.argument(0x1000, 10, 1024, 2, 32) is not first and encoded[-1] == 0x1000

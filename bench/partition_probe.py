@@ -11,10 +11,15 @@ import sys, json, statistics
 import numpy as np, cupy as cp
 
 SRC = r"""
-__device__ __forceinline__ unsigned long long gtime() { unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ unsigned long long gtime() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 __device__ __forceinline__ unsigned smid() { unsigned s; asm volatile("mov.u32 %0, %%smid;" : "=r"(s)); return s; }
 #define U UNROLL
-extern "C" __global__ void __launch_bounds__(512, 1) static_read(const uint4* __restrict__ src, unsigned long long per_cta,
+extern "C" __global__ void __launch_bounds__(512, 1)
+static_read(const uint4* __restrict__ src, unsigned long long per_cta,
     unsigned long long n_vec, unsigned* sink, unsigned long long* stamps) {
   unsigned long long t0 = gtime();
   unsigned long long b = blockIdx.x * per_cta, e = min(b + per_cta, n_vec);
@@ -36,7 +41,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) static_read(const uint4* __
     stamps[3 * blockIdx.x] = t0; stamps[3 * blockIdx.x + 1] = gtime(); stamps[3 * blockIdx.x + 2] = smid(); }
 }
 // persistent: grab chunks of chunk_vec vectors from a counter; the next index is fetched one chunk ahead.
-extern "C" __global__ void __launch_bounds__(512, 1) queue_read(const uint4* __restrict__ src, unsigned long long chunk_vec,
+extern "C" __global__ void __launch_bounds__(512, 1)
+queue_read(const uint4* __restrict__ src, unsigned long long chunk_vec,
     unsigned n_chunks, unsigned* counter, unsigned* sink, unsigned long long* stamps) {
   unsigned long long t0 = gtime();
   __shared__ unsigned next[2];
@@ -87,7 +93,8 @@ def main():
         variants[f"static {grid}"] = (st, (grid,), (512,), (src, cp.uint64(per), cp.uint64(n_vec), sink, stamps))
     for chunk_kb in (256, 1024):
         cv = chunk_kb * 1024 // 16
-        variants[f"queue 132 x {chunk_kb}KB"] = (qu, (132,), (512,), (src, cp.uint64(cv), cp.uint32(n_vec // cv), counter, sink, stamps))
+        variants[f"queue 132 x {chunk_kb}KB"] = (qu, (132,), (512,),
+                                                 (src, cp.uint64(cv), cp.uint32(n_vec // cv), counter, sink, stamps))
     from splitkv.floor import ReadFloor
     rf = ReadFloor(nbytes).reader(nbytes)
     variants["floor"] = None
@@ -123,6 +130,8 @@ def main():
         if "queue" in name:
             nd = (s[:, 2] >> 16).astype(int)
             extra = f" chunks per CTA {nd.min()}..{nd.max()}"
-        print(f"{name:22s} {statistics.median(times[name]):7.2f} us  end first/med/last {end.min():.1f}/{np.median(end):.1f}/{end.max():.1f}  {gp}{extra}", flush=True)
+        ends = f"{end.min():.1f}/{np.median(end):.1f}/{end.max():.1f}"
+        print(f"{name:22s} {statistics.median(times[name]):7.2f} us  end first/med/last {ends}  {gp}{extra}", flush=True)
 
-main()
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,8 @@ __device__ __forceinline__ void cp16(void* s, const void* g) {
   unsigned a = (unsigned)__cvta_generic_to_shared(s);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(g) : "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+template <int N> __device__ __forceinline__ void wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 // CTA blockIdx.x streams one K/V head over one split (ORDER 0: consecutive CTAs take the heads of
 // one split; 1: the splits of one head); its warp w takes tiles w, w + WARPS, ...
@@ -87,14 +88,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) ring_read(const unsi
 }
 
 __device__ __forceinline__ void mbar_init(unsigned long long* b, unsigned n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(b)), "r"(n) : "memory"); }
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;"
+               :: "r"((unsigned)__cvta_generic_to_shared(b)), "r"(n) : "memory"); }
 __device__ __forceinline__ void mbar_expect(unsigned long long* b, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(b)), "r"(bytes) : "memory"); }
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"((unsigned)__cvta_generic_to_shared(b)), "r"(bytes) : "memory"); }
 __device__ __forceinline__ void mbar_wait(unsigned long long* b, unsigned parity) {
-  asm volatile("{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}" :: "r"((unsigned)__cvta_generic_to_shared(b)), "r"(parity) : "memory"); }
+  asm volatile("{\n.reg .pred p;\nW: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W;\n}"
+               :: "r"((unsigned)__cvta_generic_to_shared(b)), "r"(parity) : "memory"); }
 __device__ __forceinline__ void tma2d(void* dst, const void* map, int c0, int c1, unsigned long long* bar) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-    :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(map), "r"(c0), "r"(c1), "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
+    :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(map), "r"(c0), "r"(c1),
+       "r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }
 
 // maps: two CUtensorMaps (K, V) of [L rows][H*128] bf16, box {128, TILE}, in global memory.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) tma_read(const unsigned char* __restrict__ maps, int H,
@@ -137,6 +142,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 1) tma_read(const unsig
 """
 
 
+def defines(**values) -> str:
+    return "".join(f"#define {name} {value}\n" for name, value in values.items())
+
+
 def encode_map(ptr, rows, cols, box_cols, box_rows, swz=0, prom=2):
     """A CUtensorMap for a row-major bf16 [rows][cols] matrix, box {box_cols, box_rows}."""
     import ctypes
@@ -169,7 +178,7 @@ def main():
     # mode 0: per-lane cp.async ring; mode 1: plain loads into registers, a whole tile in flight per warp
     for warps, tile, stages, mode, order, h in [(4, 32, 2, 0, 1, 8), (4, 32, 2, 1, 1, 8), (8, 16, 2, 1, 1, 8)]:
         smem = warps * stages * 2 * tile * (D + 8) * 2 if mode == 0 else 0
-        src = f"#define BOXW 64\n#define WARPS {warps}\n#define TILE {tile}\n#define STAGES {stages}\n#define MODE {mode}\n#define ORDER {order}\n" + SRC
+        src = defines(BOXW=64, WARPS=warps, TILE=tile, STAGES=stages, MODE=mode, ORDER=order) + SRC
         f = cp.RawModule(code=src, options=("-std=c++17",)).get_function("ring_read")
         if smem > 48 * 1024:
             f.max_dynamic_shared_size_bytes = smem
@@ -177,14 +186,18 @@ def main():
         def launch(f=f, smem=smem, warps=warps):
             f((128,), (32 * warps,), (k, v, cp.int32(H), cp.int32(L * H // 128), sink, cp.int32(0)), shared_mem=smem)
         variants[name] = launch
-    for warps, tile, stages, order, boxw, swz, prom in [(4, 32, 2, 1, 128, 0, 2), (4, 32, 2, 1, 64, 3, 3), (4, 32, 2, 1, 64, 3, 2), (4, 32, 2, 1, 64, 3, 0), (4, 32, 2, 0, 64, 3, 3), (4, 32, 3, 1, 64, 3, 3)]:
+    # (warps, tile, stages, order, box width, swizzle: 0 none / 3 128B, L2 promotion: 0 none / 2 128B / 3 256B)
+    for warps, tile, stages, order, boxw, swz, prom in [(4, 32, 2, 1, 128, 0, 2), (4, 32, 2, 1, 64, 3, 3),
+                                                        (4, 32, 2, 1, 64, 3, 2), (4, 32, 2, 1, 64, 3, 0),
+                                                        (4, 32, 2, 0, 64, 3, 3), (4, 32, 3, 1, 64, 3, 3)]:
         smem = warps * stages * 2 * tile * D * 2
         if smem > 227 * 1024:
             continue
-        src = f"#define BOXW {boxw}\n#define WARPS {warps}\n#define TILE {tile}\n#define STAGES {stages}\n#define MODE 0\n#define ORDER {order}\n" + SRC
+        src = defines(BOXW=boxw, WARPS=warps, TILE=tile, STAGES=stages, MODE=0, ORDER=order) + SRC
         f = cp.RawModule(code=src, options=("-std=c++17",)).get_function("tma_read")
         f.max_dynamic_shared_size_bytes = smem + 1024
-        maps = cp.asarray(np.frombuffer(encode_map(k.data.ptr, L, H * D, boxw, tile, swz, prom) + encode_map(v.data.ptr, L, H * D, boxw, tile, swz, prom), dtype=np.uint8))
+        both = b"".join(encode_map(t.data.ptr, L, H * D, boxw, tile, swz, prom) for t in (k, v))
+        maps = cp.asarray(np.frombuffer(both, dtype=np.uint8))
         name = f"TMA {warps}w x {tile} x {stages}st order {order} box {boxw} swz {swz} prom {prom}"
         def launch(f=f, smem=smem, maps=maps, warps=warps):
             f((128,), (32 * warps,), (maps, cp.int32(H), cp.int32(L * H // 128), sink), shared_mem=smem + 1024)
@@ -201,4 +214,5 @@ def main():
     for n in names:
         print(f"{n:28s} {statistics.median(times[n]):7.2f} us", flush=True)
 
-main()
+if __name__ == "__main__":
+    main()

@@ -35,9 +35,10 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     CTAs share an SM; the dense program runs when the batch alone fills the GPU, often in several
     waves, and there a second resident CTA hides the first one's prologue and tail (H200, D=128: 4-6%
     faster at B=64 x 1k and B=128 x 512, within 1% at B=16 x 4k). Dense with tensor maps: the split
-    shape, faster than 16-token tiles three deep at B=64 x 1k (76.8 vs 77.8 µs). head_dim 256 keeps 16-token tiles two stages deep for both, to fit the ring in shared
-    memory. Groups up to 8 put the tokens on the MMA's 16 rows (``mma_m="tokens"``) instead of
-    padding the query heads to 16 rows (H200, D=128, G=4: 1-3% faster up to 16k tokens, equal beyond).
+    shape, faster than 16-token tiles three deep at B=64 x 1k (76.8 vs 77.8 µs). head_dim 256 keeps
+    16-token tiles two stages deep for both, to fit the ring in shared memory. Groups up to 8 put the
+    tokens on the MMA's 16 rows (``mma_m="tokens"``) instead of padding the query heads to 16 rows
+    (H200, D=128, G=4: 1-3% faster up to 16k tokens, equal beyond).
     """
     dense = variant == "dense"
     tma = arch_number(arch) >= 90 and (head_dim * KV_DTYPE_BITS[kv_dtype] // 8) % TMA_BOX_BYTES == 0

@@ -249,7 +249,8 @@ class KernelSpec:
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
-                + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}") + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
+                + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}")
+                + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
                 + ("-mt" if self.mma_m == "tokens" else "") + ("-span" if self.span_rows else ""))
 
     def replace(self, **changes) -> "KernelSpec":

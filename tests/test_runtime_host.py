@@ -78,7 +78,8 @@ def test_outputs_for_foreign_arrays(monkeypatch, typestr, lse, expected):
     assert device == 0  # a bare interface names no device: the current one
 
 
-@pytest.mark.parametrize("changes", [{}, {"cluster": 1, "span_rows": True, "kv_copy": "cp_async"}, {"kv_copy": "cp_async", "steal_tiles": 4}, {"cluster": 8}])
+@pytest.mark.parametrize("changes", [{}, {"cluster": 1, "span_rows": True, "kv_copy": "cp_async"},
+                                     {"kv_copy": "cp_async", "steal_tiles": 4}, {"cluster": 8}])
 def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, changes):
     # The dense program derived from a caller's spec drops the split-only choices (clusters,
     # stolen tiles, CTAs spanning rows) and keeps the CTA shape.

@@ -251,11 +251,12 @@ class DecodeAttention:
 
         plan, spec = launch.plan, launch.spec
         cache_len = _cache_len(k)
-        maps = ()
+        maps, map_bytes = (), ()
         if spec.kv_copy == "tma":  # K and V as [batch x cache_len][num_kv_heads x head_dim]
             view = (launch.batch * cache_len, self.num_kv_heads * self.head_dim,
                     KV_DTYPE_BITS[spec.kv_dtype] // 8, spec.tile_tokens)
-            maps = (self._tensor_maps.argument(int(k_ptr), *view), self._tensor_maps.argument(int(v_ptr), *view))
+            (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(int(ptr), *view) for ptr in (k_ptr, v_ptr))
+            maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
         with _stream(tensors.stream_ptr(q, stream)):
             launch.decode_fn(
                 launch.grid, (spec.threads,),
@@ -263,6 +264,7 @@ class DecodeAttention:
                  np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
                  np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps),
                 shared_mem=spec.smem_bytes)
+            del map_bytes  # held until the launch has copied the maps
             if launch.merge_fn is not None:
                 rows = launch.batch * self.num_qo_heads
                 warps = _MERGE_THREADS // 32

@@ -28,8 +28,9 @@ _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_NONE = 0  # 256-byte promotion measured 6% slower at 128k (H200), none and 128 B equal
 _OOB_FILL_ZEROS = 0
-#: Encoded maps kept per cache (a few: K and V of the caches a loop alternates between).
-CACHE_ENTRIES = 8
+#: Encoded maps kept (two per cache: K and V). A model runs one DecodeAttention over every layer's
+#: cache, so this covers the K and V of 512 layers; an entry is about 200 host bytes.
+CACHE_ENTRIES = 1024
 
 _driver = None
 _driver_lock = threading.Lock()
@@ -96,25 +97,32 @@ def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int) -> np
 
 
 class TensorMapCache:
-    """Kernel arguments (by value) for the tensor maps of the last few caches seen."""
+    """Kernel arguments (by value) for the tensor maps of the caches seen last (least recently used
+    evicted first). Thread-safe."""
 
     def __init__(self, entries: int = CACHE_ENTRIES):
+        if entries < 2:
+            raise ValueError(f"entries: a launch needs K's and V's maps at once; got {entries}")
         self._entries = entries
         self._maps: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def argument(self, ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int):
-        """A launch argument that passes the map by value (CuPy copies the 128 bytes it points at
-        when the kernel is launched or captured)."""
+        """(launch argument, host buffer): the argument passes the map by value (CuPy copies the 128
+        bytes it points at when the kernel is launched or captured); it does not own them, so the
+        caller keeps the buffer until the launch has been made."""
         from cupy.cuda.function import CPointer
 
         key = (ptr, rows, cols, elem_bytes, box_rows)
-        held = self._maps.get(key)
-        if held is None:
-            buffer = encode(ptr, rows, cols, elem_bytes, box_rows)
-            held = (buffer, CPointer(buffer.ctypes.data))  # the buffer lives as long as its pointer
+        with self._lock:
+            held = self._maps.get(key)
+            if held is not None:
+                self._maps.move_to_end(key)
+                return held
+        buffer = encode(ptr, rows, cols, elem_bytes, box_rows)
+        held = (CPointer(buffer.ctypes.data), buffer)
+        with self._lock:
             self._maps[key] = held
             if len(self._maps) > self._entries:
                 self._maps.popitem(last=False)
-        else:
-            self._maps.move_to_end(key)
-        return held[1]
+        return held

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from splitkv.spec import KernelSpec
-from splitkv.tensor_map import MAP_ALIGN, MAP_BYTES, _aligned_buffer, box_geometry
+from splitkv.codegen.render import render
+from splitkv.spec import TMA_BOX_BYTES, KernelSpec
+from splitkv.tensor_map import MAP_ALIGN, MAP_BYTES, TensorMapCache, _aligned_buffer, box_geometry
 
 
 def test_geometry_of_a_bf16_cache():
@@ -12,8 +13,9 @@ def test_geometry_of_a_bf16_cache():
     # boxes of 64 dims (128 bytes) x 32 tokens, as the program's kv_at expects.
     geo = box_geometry(3 * 1000, 8 * 128, 2, 32)
     assert geo["dims"] == (1024, 3000) and geo["row_stride"] == 2048 and geo["box"] == (64, 32)
-    spec = KernelSpec(arch="sm_90", kv_copy="tma")
-    assert geo["box"][0] * 2 == 128 and spec.head_dim % geo["box"][0] == 0
+    # The program takes its box width from the same constant: boxes of BOX_DIMS = 64 bf16 dims.
+    source = render(KernelSpec(arch="sm_90", kv_copy="tma"))
+    assert f"constexpr int BOX_DIMS = {TMA_BOX_BYTES} / 2;" in source
 
 
 @pytest.mark.parametrize("args, match", [
@@ -33,24 +35,31 @@ def test_map_buffers_are_aligned():
         assert buf.ctypes.data % MAP_ALIGN == 0 and buf.nbytes == MAP_BYTES and buf.dtype == np.uint8
 
 
-def test_cache_encodes_each_cache_once_and_keeps_the_latest(monkeypatch):
-    # run() asks for the maps of K and V on every call: a loop over the same cache must not encode
-    # again, and the oldest caches give way once more than `entries` are in use.
+def test_cache_encodes_each_cache_once_and_evicts_the_least_recently_used(monkeypatch):
+    # run() asks for the maps of K and V on every call: a loop over the same caches must not encode
+    # again, and once more maps are in use than the cache holds, the least recently used goes.
     import splitkv.tensor_map as tm
 
     encoded = []
 
     def fake_encode(ptr, rows, cols, elem_bytes, box_rows):
-        encoded.append(ptr)
-        buf = tm._aligned_buffer()
-        buf[:8] = np.frombuffer(np.uint64(ptr).tobytes(), dtype=np.uint8)
-        return buf
+        encoded.append((ptr, box_rows))
+        return tm._aligned_buffer()
 
     monkeypatch.setattr(tm, "encode", fake_encode)
     cache = tm.TensorMapCache(entries=2)
-    first = cache.argument(0x1000, 10, 1024, 2, 32)
-    assert cache.argument(0x1000, 10, 1024, 2, 32) is first and encoded == [0x1000]
-    cache.argument(0x1000, 10, 1024, 2, 16)  # another box: another map
-    cache.argument(0x2000, 10, 1024, 2, 32)  # evicts the least recently used (0x1000, box 32)
-    assert encoded == [0x1000, 0x1000, 0x2000]
-    assert cache.argument(0x1000, 10, 1024, 2, 32) is not first and encoded[-1] == 0x1000
+    a = cache.argument(0x1000, 10, 1024, 2, 32)
+    b = cache.argument(0x2000, 10, 1024, 2, 32)
+    assert cache.argument(0x1000, 10, 1024, 2, 32) is a  # a hit, and now the most recent
+    assert encoded == [(0x1000, 32), (0x2000, 32)]
+    arg, buffer = a
+    assert arg.ptr == buffer.ctypes.data  # the launch argument points at the map's bytes
+    cache.argument(0x1000, 10, 1024, 2, 16)  # another box is another map: evicts b, not a
+    assert cache.argument(0x1000, 10, 1024, 2, 32) is a
+    assert cache.argument(0x2000, 10, 1024, 2, 32) is not b
+    assert encoded == [(0x1000, 32), (0x2000, 32), (0x1000, 16), (0x2000, 32)]
+
+
+def test_cache_needs_room_for_k_and_v():
+    with pytest.raises(ValueError, match="entries"):
+        TensorMapCache(entries=1)

@@ -221,8 +221,9 @@ def test_bulk_copies(head_dim, variant):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_tensor_copies(head_dim, variant):
     # K/V tiles as swizzled boxes through tensor maps: head_dims of one, two and four boxes, groups
-    # 1 to 16, fp16 too, NaN past ragged lengths (the boxes fetch whole tiles past them), the last
-    # sequence's tail past the end of the tensor (zero-filled by the copy engine), one long row.
+    # 1 to 16, fp16 too, NaN past ragged lengths (the boxes fetch whole tiles past them), one long
+    # row. (Boxes reaching past the end of the tensor, zero-filled by the copy engine, are the
+    # single-sequence tests' tails, e.g. length 7 or 1077, now that tensor maps are the default.)
     for group in (1, 4, 16):
         run_case(head_dim, group, [0, 1, 33, 1077, 4096, 3], variant=variant, num_splits=5, nan_tail=True,
                  max_len=4100, spec_changes={"kv_copy": "tma"})

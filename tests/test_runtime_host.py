@@ -99,3 +99,62 @@ def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, changes):
     assert attn.dense_spec.variant == "dense" and attn.dense_spec.cluster == 1
     assert not attn.dense_spec.steal_tiles and not attn.dense_spec.span_rows
     assert (attn.dense_spec.warps, attn.dense_spec.tile_tokens) == (spec.warps, spec.tile_tokens)
+
+
+def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
+    # run() with K/V through tensor maps, on the host only: the launch gets K's and V's maps as its
+    # last two arguments, pointing at bytes that hold while the launch is made; a second call over
+    # the same caches encodes nothing, another cache gets its own maps.
+    import contextlib
+    import ctypes
+
+    import cupy
+
+    import splitkv.runtime as runtime
+    import splitkv.tensor_map as tensor_map
+    from splitkv import DecodeAttention, KernelSpec
+    from splitkv.plan import SplitPlan
+
+    class Device:
+        id = 0
+        compute_capability = "90"
+        attributes = {"MultiProcessorCount": 132}
+
+    class FakeCAI:
+        def __init__(self, shape, typestr, ptr):
+            self.__cuda_array_interface__ = {"version": 3, "shape": tuple(shape), "typestr": typestr,
+                                             "data": (ptr, False), "strides": None}
+
+    encoded = []
+
+    def fake_encode(ptr, rows, cols, elem_bytes, box_rows):
+        encoded.append((ptr, rows, cols, elem_bytes, box_rows))
+        buffer = tensor_map._aligned_buffer()
+        buffer[:8] = np.frombuffer(np.uint64(ptr).tobytes(), dtype=np.uint8)  # which cache it maps
+        return buffer
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: Device())
+    monkeypatch.setattr(tensor_map, "encode", fake_encode)
+    monkeypatch.setattr(runtime, "_stream", lambda ptr: contextlib.nullcontext())
+    launched = []
+
+    def decode_fn(grid, block, args, shared_mem):  # reads which cache each map holds, as a launch copies them
+        launched.append(tuple(int.from_bytes(ctypes.string_at(m.ptr, 8), "little") for m in args[-2:]))
+
+    spec = KernelSpec(arch="sm_90", head_dim=128, group_size=4, q_dtype="fp16", kv_dtype="fp16", kv_copy="tma")
+    attn = DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16", spec=spec)
+    plan = SplitPlan("split", 256, 4, np.array([4, 4], np.int32), 16)
+    attn._launch = runtime._Launch(plan, spec, decode_fn, None, 2, 1000, (4, 2, 2), None, (None,) * 3,
+                                   np.uint64(0), (np.uint64(0),) * 3)
+    base = 0x7F00_0000_0000
+    q, out = FakeCAI((2, 8, 128), "<f2", base), FakeCAI((2, 8, 128), "<f2", base + 0x10000)
+    caches = [(FakeCAI((2, 1024, 2, 128), "<f2", base + (1 + 2 * i) * 2**24),
+               FakeCAI((2, 1024, 2, 128), "<f2", base + (2 + 2 * i) * 2**24)) for i in range(2)]
+    for k, v in (caches[0], caches[0], caches[1]):
+        attn.run(q, k, v, out=out, stream=0)
+    k_ptrs = [c[0].__cuda_array_interface__["data"][0] for c in caches]
+    v_ptrs = [c[1].__cuda_array_interface__["data"][0] for c in caches]
+    assert launched == [(k_ptrs[0], v_ptrs[0]), (k_ptrs[0], v_ptrs[0]), (k_ptrs[1], v_ptrs[1])]
+    # [batch x cache_len][num_kv_heads x head_dim] of 2-byte elements, boxes of tile_tokens rows
+    views = [(p, 2 * 1024, 2 * 128, 2, spec.tile_tokens) for p in (k_ptrs[0], v_ptrs[0], k_ptrs[1], v_ptrs[1])]
+    assert encoded == views

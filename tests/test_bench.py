@@ -410,12 +410,14 @@ def test_floor_vec_count_and_grid():
         floor.vec_count(-1)
 
 
-def test_floor_kernel_compiles_for_sm90_without_a_gpu():
+def _ptx_for_sm90(source: str, name: str) -> str:
+    """PTX of a CUDA source compiled by NVRTC for compute_90 (no GPU needed); the test fails
+    with NVRTC's log if it does not compile, and skips where NVRTC is missing."""
     pytest.importorskip("cupy")
     try:
         from cupy.cuda import nvrtc
 
-        prog = nvrtc.createProgram(floor.SOURCE, "floor.cu", [], [])
+        prog = nvrtc.createProgram(source, name, [], [])
     except Exception as exc:  # NVRTC library missing on this machine
         pytest.skip(f"NVRTC unavailable: {exc}")
     try:
@@ -423,14 +425,18 @@ def test_floor_kernel_compiles_for_sm90_without_a_gpu():
     except Exception:
         pytest.fail(nvrtc.getProgramLog(prog))
     ptx = nvrtc.getPTX(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    nvrtc.destroyProgram(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def test_floor_kernel_compiles_for_sm90_without_a_gpu():
+    ptx = _ptx_for_sm90(floor.SOURCE, "floor.cu")
     for name in (floor.READ_KERNEL, floor.EMPTY_KERNEL):
         assert f".entry {name}" in ptx
     loads = [line for line in ptx.splitlines() if "ld.global" in line]
     assert loads and all(".v4." in line for line in loads)  # 16-byte loads only
     assert len(loads) >= 5  # four in flight in the main loop plus the tail loop
     assert "st.global" in ptx  # the reduction is stored, so the loads cannot be dropped
-    nvrtc.destroyProgram(prog)
 
 
 def test_percentile_matches_math_for_even_count():
@@ -528,20 +534,11 @@ def test_probe_kernels_compile_for_sm90_without_a_gpu(probe, defines, kernels):
     import importlib.util
     import pathlib
 
-    pytest.importorskip("cupy")
-    from cupy.cuda import nvrtc
-
     path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{probe}.py"
     module_spec = importlib.util.spec_from_file_location(probe, path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)  # defines only; main() runs under __main__
     source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + module.SRC.replace("UNROLL", "8")
-    prog = nvrtc.createProgram(source, f"{probe}.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90", "-std=c++17"])
-    except Exception:
-        pytest.fail(nvrtc.getProgramLog(prog))
-    ptx = nvrtc.getPTX(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    ptx = _ptx_for_sm90(source, f"{probe}.cu")
     for name in kernels:
         assert f".entry {name}" in ptx

@@ -32,6 +32,8 @@ _OOB_FILL_ZEROS = 0
 #: cache, so this covers the K and V of 512 layers; an entry is about 200 host bytes.
 CACHE_ENTRIES = 1024
 
+#: The CUDA driver library on Linux, then on Windows (where CUDAAPI is the x64 calling convention).
+_DRIVER_LIBRARIES = ("libcuda.so.1", "nvcuda.dll")
 _driver = None
 _driver_lock = threading.Lock()
 
@@ -40,11 +42,16 @@ def _encode_function():
     global _driver
     with _driver_lock:
         if _driver is None:
-            try:
-                _driver = ctypes.CDLL("libcuda.so.1")
-            except OSError as exc:
-                raise RuntimeError("kv_copy='tma' needs the CUDA driver library (libcuda.so.1) to encode "
-                                   f"tensor maps: {exc}") from exc
+            errors = []
+            for name in _DRIVER_LIBRARIES:  # CuPy has loaded it already wherever a GPU works
+                try:
+                    _driver = ctypes.CDLL(name)
+                    break
+                except OSError as exc:
+                    errors.append(f"{name}: {exc}")
+            else:
+                raise RuntimeError("kv_copy='tma' needs the CUDA driver library to encode tensor maps "
+                                   f"(or use kv_copy='cp_async'): {'; '.join(errors)}")
             fn = _driver.cuTensorMapEncodeTiled
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,

@@ -63,3 +63,12 @@ def test_cache_encodes_each_cache_once_and_evicts_the_least_recently_used(monkey
 def test_cache_needs_room_for_k_and_v():
     with pytest.raises(ValueError, match="entries"):
         TensorMapCache(entries=1)
+
+
+def test_missing_driver_library_is_a_clear_error(monkeypatch):
+    import splitkv.tensor_map as tm
+
+    monkeypatch.setattr(tm, "_driver", None)
+    monkeypatch.setattr(tm, "_DRIVER_LIBRARIES", ("libsplitkv-no-such-driver.so",))
+    with pytest.raises(RuntimeError, match="kv_copy='cp_async'"):
+        tm.encode(0x1000, 10, 1024, 2, 32)

@@ -54,11 +54,13 @@ class DecodeAttention:
     >>> attn.plan(seq_lens)               # host lengths (or a device int32 array, read back)
     >>> out = attn.run(q, k, v)           # every layer of the step; no sync, no compile
 
-    ``spec`` overrides the built-in CTA shape (its variant is chosen by the planner).
+    ``spec`` overrides the built-in CTA shape of both programs (its variant is ignored: the planner
+    chooses); ``dense_spec`` then overrides the dense program's alone, e.g. for tuning them apart.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: str = "bf16",
-                 kv_dtype: str = "bf16", sm_scale: float | None = None, spec: KernelSpec | None = None):
+                 kv_dtype: str = "bf16", sm_scale: float | None = None, spec: KernelSpec | None = None,
+                 dense_spec: KernelSpec | None = None):
         import cupy
 
         if num_qo_heads % num_kv_heads:
@@ -70,14 +72,17 @@ class DecodeAttention:
         self.device = device.id
         self.arch = "sm_" + device.compute_capability
         self.num_sms = device.attributes["MultiProcessorCount"]
-        base = spec or default_spec(self.arch, head_dim, self.group_size, q_dtype, kv_dtype)
-        if (base.head_dim, base.group_size, base.q_dtype, base.kv_dtype) != (
-                head_dim, self.group_size, q_dtype, kv_dtype):
-            raise ValueError(f"spec: {base.name} does not match head_dim={head_dim}, group={self.group_size}, "
-                             f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
+        layout = (head_dim, self.group_size, q_dtype, kv_dtype)
+        for name, given in (("spec", spec), ("dense_spec", dense_spec)):
+            if given is not None and (given.head_dim, given.group_size, given.q_dtype, given.kv_dtype) != layout:
+                raise ValueError(f"{name}: {given.name} does not match head_dim={head_dim}, group={self.group_size}, "
+                                 f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
+        base = spec or default_spec(self.arch, *layout)
         self.split_spec = base.replace(arch=self.arch, variant="split")
-        if spec is None:  # the built-in shapes differ between the programs
-            self.dense_spec = default_spec(self.arch, head_dim, self.group_size, q_dtype, kv_dtype, "dense")
+        if dense_spec is not None:
+            self.dense_spec = dense_spec.replace(arch=self.arch).as_dense()
+        elif spec is None:  # the built-in shapes differ between the programs
+            self.dense_spec = default_spec(self.arch, *layout, "dense")
         else:
             self.dense_spec = base.replace(arch=self.arch).as_dense()
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)

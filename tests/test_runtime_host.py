@@ -158,3 +158,29 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
     # [batch x cache_len][num_kv_heads x head_dim] of 2-byte elements, boxes of tile_tokens rows
     views = [(p, 2 * 1024, 2 * 128, 2, spec.tile_tokens) for p in (k_ptrs[0], v_ptrs[0], k_ptrs[1], v_ptrs[1])]
     assert encoded == views
+
+
+def test_dense_spec_overrides_the_dense_program_alone(monkeypatch):
+    import cupy
+
+    from splitkv import DecodeAttention, KernelSpec
+    from splitkv.heuristics import default_spec
+
+    class Device:
+        id = 0
+        compute_capability = "90"
+        attributes = {"MultiProcessorCount": 132}
+
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: Device())
+    dense = KernelSpec(arch="sm_80", head_dim=128, group_size=4, variant="split", warps=2, tile_tokens=16,
+                       chunk_size=32, stages=4, cluster=1)
+    attn = DecodeAttention(32, 8, 128, dense_spec=dense)
+    assert attn.split_spec == default_spec("sm_90", 128, 4)  # untouched
+    assert attn.dense_spec == dense.replace(arch="sm_90", variant="dense")  # this GPU's arch, dense
+    split = default_spec("sm_90", 128, 4).replace(stages=3)
+    both = DecodeAttention(32, 8, 128, spec=split, dense_spec=dense)
+    assert both.split_spec == split and both.dense_spec.stages == 4
+    with pytest.raises(ValueError, match="dense_spec"):
+        DecodeAttention(32, 8, 128, dense_spec=dense.replace(group_size=8))
+    with pytest.raises(ValueError, match="^spec"):
+        DecodeAttention(32, 8, 128, spec=split.replace(head_dim=64))

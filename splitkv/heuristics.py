@@ -7,7 +7,7 @@ the planner needs, computed from the compiled kernel's registers and shared memo
 
 from __future__ import annotations
 
-from .spec import KV_DTYPE_BITS, TMA_BOX_BYTES, KernelSpec, arch_number
+from .spec import KernelSpec, arch_number, rows_fit_tma_boxes
 
 #: Per-SM resources by compute capability major (Ampere through Blackwell have the same limits
 #: except shared memory): registers, threads, CTAs, shared memory per SM in bytes.
@@ -41,7 +41,7 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     (H200, D=128, G=4: 1-3% faster up to 16k tokens, equal beyond).
     """
     dense = variant == "dense"
-    tma = arch_number(arch) >= 90 and (head_dim * KV_DTYPE_BITS[kv_dtype] // 8) % TMA_BOX_BYTES == 0
+    tma = arch_number(arch) >= 90 and rows_fit_tma_boxes(head_dim, kv_dtype)
     small_dense = dense and not tma
     tile = 16 if head_dim > 128 or small_dense else 32
     stages = 3 if small_dense and head_dim <= 128 else 2

@@ -20,7 +20,7 @@ import numpy as np
 from . import tensors
 from .heuristics import default_spec, resident_ctas_per_sm
 from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan
-from .spec import KV_DTYPE_BITS, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 
 _LOG2E = 1.4426950408889634
@@ -259,7 +259,7 @@ class DecodeAttention:
         maps, map_bytes = (), ()
         if spec.kv_copy == "tma":  # K and V as [batch x cache_len][num_kv_heads x head_dim]
             view = (launch.batch * cache_len, self.num_kv_heads * self.head_dim,
-                    KV_DTYPE_BITS[spec.kv_dtype] // 8, spec.tile_tokens)
+                    spec.kv_elem_bytes, spec.tile_tokens)
             (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(int(ptr), *view) for ptr in (k_ptr, v_ptr))
             maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
         with _stream(tensors.stream_ptr(q, stream)):

@@ -38,6 +38,11 @@ CLUSTERS = (1, 2, 4, 8, 16)
 KV_COPIES = ("cp_async", "bulk", "tma")
 #: Bytes of a tensor-map box row: the span of the copy engine's 128-byte swizzle.
 TMA_BOX_BYTES = 128
+
+
+def rows_fit_tma_boxes(head_dim: int, kv_dtype: str) -> bool:
+    """Whether a K/V row of ``head_dim`` elements is a whole number of tensor-map boxes."""
+    return head_dim * KV_DTYPE_BITS[kv_dtype] % (8 * TMA_BOX_BYTES) == 0
 #: Tiles per draw from a row's tile counter (0: no stealing).
 STEAL_TILES = (0, 1, 2, 4, 8)
 #: Ints between two rows' tile counters, and the alignment of the first: one 128-byte L2 line per
@@ -136,7 +141,7 @@ class KernelSpec:
         _check_choice("kv_copy", self.kv_copy, KV_COPIES)
         if self.kv_copy in ("bulk", "tma") and arch_number(self.arch) < 90:
             raise ValueError(f"kv_copy: '{self.kv_copy}' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
-        if self.kv_copy == "tma" and (self.head_dim * KV_DTYPE_BITS[self.kv_dtype] // 8) % TMA_BOX_BYTES:
+        if self.kv_copy == "tma" and not rows_fit_tma_boxes(self.head_dim, self.kv_dtype):
             raise ValueError(f"kv_copy: 'tma' copies K/V rows in boxes of {TMA_BOX_BYTES} bytes; head_dim "
                              f"{self.head_dim} of {self.kv_dtype} is not a whole number of them")
         _check_choice("mma_m", self.mma_m, MMA_M)
@@ -177,6 +182,11 @@ class KernelSpec:
         return 8 if self.group_size <= 8 else 16
 
     @property
+    def kv_elem_bytes(self) -> int:
+        """Bytes of one K/V element."""
+        return KV_DTYPE_BITS[self.kv_dtype] // 8
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K plus V one token of one K/V head occupies in memory."""
         return 2 * self.head_dim * KV_DTYPE_BITS[self.kv_dtype] // 8
@@ -196,7 +206,7 @@ class KernelSpec:
     def inbox_offset(self) -> int:
         """Byte offset of the cluster inbox in dynamic shared memory: past the per-warp K/V rings
         and the CTA's final combine, which reuses the rings' bytes once they are drained."""
-        row = (self.head_dim + self.smem_pad) * KV_DTYPE_BITS[self.kv_dtype] // 8
+        row = (self.head_dim + self.smem_pad) * self.kv_elem_bytes
         ring = self.warps * self.stages * self.tile_tokens * row * 2
         return -(-max(ring, self.combine_bytes) // 16) * 16
 

@@ -12,7 +12,7 @@ import importlib.resources
 
 import jinja2
 
-from ..spec import KV_DTYPE_BITS, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from ..spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 
 #: C++ element type for each dtype name of the spec vocabulary.
 CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
@@ -54,7 +54,7 @@ def template_parameters(spec: KernelSpec | MergeSpec) -> dict:
         params["out_type"] = CUDA_TYPES[spec.out_dtype]
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], kv_type=CUDA_TYPES[spec.kv_dtype],
-                      smem_pad=spec.smem_pad, kv_bytes=KV_DTYPE_BITS[spec.kv_dtype] // 8,
+                      smem_pad=spec.smem_pad, kv_bytes=spec.kv_elem_bytes,
                       cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
                       tile_counter_stride=TILE_COUNTER_STRIDE, span_state_offset=spec.span_state_offset,
                       span_q_offset=spec.span_q_offset)

@@ -4,6 +4,10 @@ Everything under tests/gpu/ is marked `gpu`; tests elsewhere may carry the mark 
 machine without a usable device those tests are skipped with the reason, so the CPU suite runs the
 same way on a laptop and in CI. On a GPU host, set SPLITKV_REQUIRE_GPU=1 to turn that skip into an
 error: a GPU run that silently tests nothing is worse than one that fails.
+
+Each GPU test that runs has a deadline (``SPLITKV_TEST_TIMEOUT`` seconds, default 180; 0: none):
+past it, the watchdog (tests/gpu_deadline.py) ends the run and names the test, so a kernel that hangs
+costs one deadline instead of the GPU job's whole time limit.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from gpu_deadline import arm, seconds_from_env
 
 _GPU_DIR = Path(__file__).resolve().parent / "gpu"
 
@@ -58,3 +64,17 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"needs a CUDA GPU: {reason}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_deadline(request):
+    """Arms the watchdog around every GPU test that runs (skipped ones never get here)."""
+    seconds = seconds_from_env(180.0) if request.node.get_closest_marker("gpu") is not None else 0
+    if not seconds:
+        yield
+        return
+    timer = arm(seconds, f"GPU test {request.node.nodeid}")
+    try:
+        yield
+    finally:
+        timer.cancel()

@@ -7,14 +7,10 @@ the planner needs, computed from the compiled kernel's registers and shared memo
 
 from __future__ import annotations
 
-from .spec import KernelSpec, arch_number, rows_fit_tma_boxes
+from .spec import ARCHS, KernelSpec, arch_number, rows_fit_tma_boxes
 
-#: Per-SM resources by compute capability major (Ampere through Blackwell have the same limits
-#: except shared memory): registers, threads, CTAs, shared memory per SM in bytes.
+#: 32-bit registers per SM (the same from sm_80 through sm_120).
 _REGISTERS_PER_SM = 65536
-_THREADS_PER_SM = {80: 2048, 86: 1536, 89: 1536, 90: 2048, 100: 2048}
-_CTAS_PER_SM = {80: 32, 86: 16, 89: 24, 90: 32, 100: 32}
-_SMEM_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024, 100: 228 * 1024}
 #: The driver reserves 1 KB of shared memory per resident CTA.
 _SMEM_RESERVED_PER_CTA = 1024
 
@@ -45,20 +41,31 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     small_dense = dense and not tma
     tile = 16 if head_dim > 128 or small_dense else 32
     stages = 3 if small_dense and head_dim <= 128 else 2
-    warps = 4
     cluster = 16 if variant == "split" and arch_number(arch) >= 90 else 1
-    return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                      variant=variant, chunk_size=warps * tile, warps=warps, tile_tokens=tile, stages=stages,
-                      cluster=cluster, kv_copy="tma" if tma else "cp_async",
-                      mma_m="tokens" if group_size <= 8 else "heads")
+
+    def shape(warps, tile, stages):
+        return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype,
+                          kv_dtype=kv_dtype, variant=variant, chunk_size=warps * tile, warps=warps,
+                          tile_tokens=tile, stages=stages, cluster=cluster, kv_copy="tma" if tma else "cp_async",
+                          mma_m="tokens" if group_size <= 8 else "heads")
+
+    # GPUs with 99 KB of shared memory per CTA (sm_86, sm_89, sm_120) cannot hold these rings: the
+    # ring shrinks (shorter tiles, then fewer stages, then fewer warps) until the spec accepts it.
+    candidates = [(4, tile, stages), (4, 16, stages), (4, 16, 2), (2, 16, 2), (1, 16, 2)]
+    for candidate in dict.fromkeys(candidates):  # in order, without repeats
+        try:
+            return shape(*candidate)
+        except ValueError as exc:
+            if "shared memory" not in str(exc):
+                raise
+    return shape(*candidates[-1])  # raises, naming the shared memory even the smallest ring needs
 
 
 def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:
     """CTAs of ``spec`` one SM holds at once, limited by registers, threads, CTAs and shared memory."""
-    arch = arch_number(spec.arch)
-    key = arch if arch in _THREADS_PER_SM else 90
-    limits = [_THREADS_PER_SM[key] // spec.threads, _CTAS_PER_SM[key],
-              _SMEM_PER_SM[key] // (spec.smem_bytes + spec.static_smem_bytes + _SMEM_RESERVED_PER_CTA)]
+    arch = ARCHS[arch_number(spec.arch)]
+    limits = [arch.threads_per_sm // spec.threads, arch.ctas_per_sm,
+              arch.smem_per_sm // (spec.smem_bytes + spec.static_smem_bytes + _SMEM_RESERVED_PER_CTA)]
     if registers:
         # Registers are allocated per warp in units of 256.
         per_warp = -(-registers * 32 // 256) * 256

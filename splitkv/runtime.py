@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -45,6 +47,7 @@ class _Launch:
     seq_lens_ptr: np.uint64
     workspace_ptrs: tuple
     span_args: tuple = ()  # span_rows programs: (rows, tiles per row, partial slots per row) as int32
+    empty_kv_ptr: int = 0  # tma with every length 0: one tile of memory for maps of an empty cache
 
 
 class DecodeAttention:
@@ -63,8 +66,16 @@ class DecodeAttention:
                  dense_spec: KernelSpec | None = None):
         import cupy
 
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name}: expected an int, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sm_scale is not None and not (math.isfinite(float(sm_scale)) and float(sm_scale) > 0):
+            raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group_size = num_qo_heads // num_kv_heads
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
@@ -149,7 +160,7 @@ class DecodeAttention:
             # Several clusters per row leave one partial per cluster, which only the fused merge reads.
             raise RuntimeError(f"planner bug: {plan.num_splits} splits in clusters of {spec.cluster} "
                                f"without the fused merge; {describe(plan)}")
-        if plan.tokens_per_split % spec.tile_tokens:  # the programs start tiles at split starts
+        if plan.variant == "split" and plan.tokens_per_split % spec.tile_tokens:  # tiles start at split starts
             raise RuntimeError(f"planner bug: {plan.tokens_per_split} tokens per split is not a multiple of "
                                f"the tile ({spec.tile_tokens} tokens); {describe(plan)}")
         decode_fn, _ = load_kernel(spec)
@@ -180,9 +191,17 @@ class DecodeAttention:
             grid = (plan.num_ctas, 1, 1)
             span_args = (np.int32(batch * self.num_kv_heads), np.int32(plan.row_tokens // spec.tile_tokens),
                          np.int32(plan.num_splits))
-        self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, int(host_lens.max(initial=0)),
+        max_planned = int(host_lens.max(initial=0))
+        empty_kv_ptr = 0
+        if spec.kv_copy == "tma" and max_planned == 0:
+            # k.shape[1] may then be 0, and a tensor map cannot describe no rows: such maps describe
+            # this tile instead, which no CTA reads (every length is 0, so no tile is requested).
+            tile_bytes = spec.tile_tokens * self.num_kv_heads * self.head_dim * spec.kv_elem_bytes
+            empty_kv_ptr = self._buffer("empty_kv", tile_bytes, np.uint8).data.ptr
+        self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, max_planned,
                                grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
-                               tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace), span_args)
+                               tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace), span_args,
+                               empty_kv_ptr)
         self._validated_layout = None
         return plan
 
@@ -213,6 +232,9 @@ class DecodeAttention:
         if tensors.is_device_array(seq_lens):
             info = tensors.describe(seq_lens, "seq_lens")
             tensors.check_seq_lens(info, info.shape[0] if info.ndim == 1 else -1, 0)  # int32, 1-D
+            if info.device is not None and info.device != self.device:
+                raise ValueError(f"seq_lens: on CUDA device {info.device}, but this DecodeAttention "
+                                 f"runs on device {self.device}")
             seq_lens = tensors.to_cupy(seq_lens).get()  # the one synchronisation of plan()
         host = np.asarray(seq_lens)
         if host.ndim != 1 or host.size == 0:
@@ -258,9 +280,11 @@ class DecodeAttention:
         cache_len = _cache_len(k)
         maps, map_bytes = (), ()
         if spec.kv_copy == "tma":  # K and V as [batch x cache_len][num_kv_heads x head_dim]
-            view = (launch.batch * cache_len, self.num_kv_heads * self.head_dim,
-                    spec.kv_elem_bytes, spec.tile_tokens)
-            (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(int(ptr), *view) for ptr in (k_ptr, v_ptr))
+            rows, bases = launch.batch * cache_len, (int(k_ptr), int(v_ptr))
+            if rows == 0:  # an empty cache (every length is 0): maps of the plan's stand-in tile
+                rows, bases = spec.tile_tokens, (launch.empty_kv_ptr,) * 2
+            view = (rows, self.num_kv_heads * self.head_dim, spec.kv_elem_bytes, spec.tile_tokens)
+            (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(base, *view) for base in bases)
             maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
         with _stream(tensors.stream_ptr(q, stream)):
             launch.decode_fn(
@@ -305,7 +329,10 @@ class DecodeAttention:
 
 
 # ---- one-shot API ------------------------------------------------------------------------------
-_instances: dict[tuple, DecodeAttention] = {}
+#: decode()'s instances, most recently used last; each holds compiled programs and a workspace, so
+#: only the last few layouts and streams are kept.
+_instances: OrderedDict[tuple, DecodeAttention] = OrderedDict()
+_MAX_INSTANCES = 16
 _instances_lock = threading.Lock()
 
 
@@ -322,10 +349,20 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
     ki = tensors.describe(k, "k", bf16_from_uint16=True)
     vi = tensors.describe(v, "v", bf16_from_uint16=True)
     shapes = tensors.check_decode_inputs(qi, ki, vi)
+    if shapes.batch == 0:  # nothing to attend: the empty results, checked like any others
+        return _empty_results(q, qi, ki, vi, out, return_lse)
     if seq_lens is None:
         seq_lens = np.full(shapes.batch, shapes.max_len, dtype=np.int32)
-    elif not tensors.is_device_array(seq_lens):
-        tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
+    elif tensors.is_device_array(seq_lens):
+        # Read back here (decode() plans on every call anyway), so that the lengths are checked
+        # against this batch and cache like host ones, and the plan keeps its own copy rather than
+        # the caller's array.
+        info = tensors.describe(seq_lens, "seq_lens")
+        tensors.check_seq_lens(info, shapes.batch, shapes.max_len)  # int32, [batch], contiguous
+        if info.device is not None and qi.device is not None and info.device != qi.device:
+            raise ValueError(f"seq_lens: on CUDA device {info.device}, but q is on device {qi.device}")
+        seq_lens = tensors.to_cupy(seq_lens).get()
+    seq_lens = tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
     import cupy
 
     with cupy.cuda.Device(qi.device if qi.device is not None else cupy.cuda.Device().id):
@@ -341,11 +378,22 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
                 attn = DecodeAttention(shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
                                        q_dtype=shapes.q_dtype, kv_dtype=shapes.kv_dtype, sm_scale=sm_scale)
                 _instances[key] = attn
+                while len(_instances) > _MAX_INSTANCES:
+                    _instances.popitem(last=False)  # its kernels still run; CuPy frees its memory after them
+            _instances.move_to_end(key)
             attn.plan(seq_lens, stream=launch_stream)
             return attn.run(q, k, v, out=out, return_lse=return_lse, stream=launch_stream)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+def _empty_results(q, qi, ki, vi, out, return_lse):
+    """decode() of an empty batch: out (given or new) and lse of batch 0, validated as usual."""
+    if out is None:
+        out = _new_output(q)
+    tensors.check_decode_inputs(qi, ki, vi, out=tensors.describe(out, "out", bf16_from_uint16=True))
+    return (out, _new_output(q, lse=True)) if return_lse else out
+
+
 def _layout(x):
     """What validation depends on, read cheaply from CuPy arrays and torch tensors (None otherwise:
     such inputs are validated on every call)."""

@@ -9,6 +9,7 @@ as a file name and as a cache or table key.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from dataclasses import dataclass, field
 
@@ -53,8 +54,33 @@ TILE_COUNTER_STRIDE = 32
 #: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.
 MMA_M = ("heads", "tokens")
 
-#: Shared memory a CTA may use on sm_80+ after opting in (227 KB on sm_90; 163 KB on sm_80).
-MAX_SMEM_BYTES = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """What one SM of a compute capability holds (CUDA C++ Programming Guide, technical
+    specifications per compute capability): the occupancy arithmetic and the shared-memory check
+    of a CTA shape use these."""
+
+    smem_per_sm: int      # bytes, shared by the resident CTAs
+    smem_per_cta: int     # bytes a CTA may opt in to (the SM's less the 1 KB the driver reserves)
+    threads_per_sm: int
+    ctas_per_sm: int
+
+
+#: The compute capabilities splitkv compiles for ('sm_90a' and the like share their base's limits).
+#: Anything else is refused by name rather than compiled against a guessed limit.
+ARCHS = {
+    80: ArchLimits(164 * 1024, 163 * 1024, 2048, 32),   # A100
+    86: ArchLimits(100 * 1024, 99 * 1024, 1536, 16),    # A10, A40, RTX 30
+    87: ArchLimits(164 * 1024, 163 * 1024, 1536, 16),   # Jetson Orin
+    89: ArchLimits(100 * 1024, 99 * 1024, 1536, 24),    # L4, L40, RTX 40
+    90: ArchLimits(228 * 1024, 227 * 1024, 2048, 32),   # H100, H200
+    100: ArchLimits(228 * 1024, 227 * 1024, 2048, 32),  # B200
+    103: ArchLimits(228 * 1024, 227 * 1024, 2048, 32),  # B300
+    120: ArchLimits(100 * 1024, 99 * 1024, 1536, 32),   # RTX 50, RTX PRO 6000
+    121: ArchLimits(100 * 1024, 99 * 1024, 1536, 32),   # DGX Spark
+}
 #: Shared-memory row padding in elements: one 16-byte chunk, so that the eight rows an ldmatrix
 #: reads fall in distinct banks for every supported head_dim.
 SMEM_ROW_PAD = 8
@@ -73,6 +99,11 @@ def parse_arch(arch: str | int) -> str:
     major_minor = int(m.group(1))
     if major_minor < 80:
         raise ValueError(f"arch: splitkv needs sm_80 or newer (bf16 tensor cores, cp.async); got {arch!r}")
+    if major_minor not in ARCHS:
+        known = ", ".join(f"sm_{n}" for n in ARCHS)
+        raise ValueError(f"arch: {arch!r} is not a compute capability splitkv knows ({known})")
+    if m.group(2) and major_minor < 90:
+        raise ValueError(f"arch: arch-specific ('a') targets start at sm_90a; got {arch!r}")
     return f"sm_{major_minor}{m.group(2)}"
 
 
@@ -119,8 +150,9 @@ class KernelSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
+        _normalise_ints(self, ("head_dim", "group_size", "chunk_size", "warps", "tile_tokens", "stages", "cluster"))
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
-        if not isinstance(self.group_size, int) or not 1 <= self.group_size <= MAX_GROUP:
+        if not 1 <= self.group_size <= MAX_GROUP:
             raise ValueError(f"group_size: expected an int in 1..{MAX_GROUP}, got {self.group_size!r}")
         _check_choice("q_dtype", self.q_dtype, Q_DTYPES)
         _check_choice("kv_dtype", self.kv_dtype, KV_DTYPES)
@@ -128,7 +160,7 @@ class KernelSpec:
         _check_choice("warps", self.warps, WARPS)
         _check_choice("tile_tokens", self.tile_tokens, TILE_TOKENS)
         _check_choice("stages", self.stages, STAGES)
-        if not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+        if self.chunk_size <= 0:
             raise ValueError(f"chunk_size: expected a positive int, got {self.chunk_size!r}")
         if self.chunk_size % self.tile_tokens:
             raise ValueError(
@@ -164,7 +196,7 @@ class KernelSpec:
                                or self.steal_tiles or self.kv_copy != "cp_async"):
             raise ValueError("span_rows: needs the split variant with cluster=1, fused_merge=True, "
                              "steal_tiles=0 and kv_copy='cp_async'")
-        limit = MAX_SMEM_BYTES.get(arch_number(self.arch), MAX_SMEM_BYTES[90])
+        limit = ARCHS[arch_number(self.arch)].smem_per_cta
         if self.smem_bytes + self.static_smem_bytes > limit:
             raise ValueError(
                 f"CTA shape needs {self.smem_bytes} bytes of shared memory (warps={self.warps} x "
@@ -294,12 +326,27 @@ class MergeSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
+        _normalise_ints(self, ("head_dim", "threads"))
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         _check_choice("out_dtype", self.out_dtype, Q_DTYPES)
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads: expected a multiple of 32 in 32..1024 (one warp merges one row), "
+                             f"got {self.threads!r}")
 
     @property
     def name(self) -> str:
-        return f"{self.arch}-merge-d{self.head_dim}-{self.out_dtype}"
+        """'sm_90-merge-d128-bf16', with '-t256' when the CTA is not the default 128 threads."""
+        return f"{self.arch}-merge-d{self.head_dim}-{self.out_dtype}" + (f"-t{self.threads}" if self.threads != 128 else "")
+
+
+def _normalise_ints(spec, fields) -> None:
+    """Integer fields as plain ints: any integral value (a NumPy int, say) is taken, but not a bool or a
+    float, which would pass the choice checks (True == 1, 128.0 == 128) and then show up in the name."""
+    for name in fields:
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {value!r}")
+        object.__setattr__(spec, name, int(value))
 
 
 def _check_choice(arg: str, value, allowed) -> None:

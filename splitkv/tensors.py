@@ -85,12 +85,12 @@ def describe(x: Any, name: str, *, bf16_from_uint16: bool = False) -> TensorInfo
         raise TypeError(f"{name}: must be on a CUDA device; got a host array ({type(x).__name__}); "
                         f"expected {_ACCEPTED}")
     if _is_cupy(x):
-        return _describe_cupy(x, bf16_from_uint16)
+        return _describe_cupy(x, name, bf16_from_uint16)
     if hasattr(x, "__cuda_array_interface__"):
         return _describe_cai(x.__cuda_array_interface__, name, bf16_from_uint16)
     if hasattr(x, "__dlpack__"):
         device = _dlpack_cuda_device(x, name)
-        info = _describe_cupy(_cupy_from_dlpack(x), bf16_from_uint16)
+        info = _describe_cupy(_cupy_from_dlpack(x), name, bf16_from_uint16)
         return TensorInfo(info.ptr, info.shape, info.strides, info.dtype, device, "dlpack")
     raise TypeError(f"{name}: expected {_ACCEPTED}; got {type(x).__name__}")
 
@@ -113,12 +113,11 @@ def _describe_torch(x: Any, name: str) -> TensorInfo:
                       device=x.device.index, kind="torch")
 
 
-def _describe_cupy(x: Any, bf16_from_uint16: bool) -> TensorInfo:
+def _describe_cupy(x: Any, name: str, bf16_from_uint16: bool) -> TensorInfo:
     # Read the attributes directly: CuPy's __cuda_array_interface__ asks the driver for the current
     # stream, and metadata alone must not need a working device.
-    itemsize = x.dtype.itemsize
     return TensorInfo(ptr=int(x.data.ptr), shape=tuple(x.shape),
-                      strides=tuple(s // itemsize for s in x.strides),
+                      strides=_cai_element_strides(x.strides, tuple(x.shape), x.dtype.itemsize, name),
                       dtype=_numpy_dtype_name(x.dtype, bf16_from_uint16),
                       device=int(x.device.id), kind="cupy")
 
@@ -471,6 +470,9 @@ def _check_device_seq_lens(info: TensorInfo, batch: int) -> None:
         raise ValueError(f"seq_lens: expected contiguous strides (1,), got {info.strides}")
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _check_host_seq_lens(seq_lens: Any, batch: int, max_len: int) -> np.ndarray:
     lens = np.asarray(seq_lens)
     if lens.ndim != 1:
@@ -481,6 +483,8 @@ def _check_host_seq_lens(seq_lens: Any, batch: int, max_len: int) -> np.ndarray:
         raise TypeError(f"seq_lens: expected integer lengths, got dtype {lens.dtype}")
     if lens.shape[0] != batch:
         raise ValueError(f"seq_lens: expected {batch} lengths (the batch of q), got {lens.shape[0]}")
+    if max_len > _INT32_MAX:  # the programs index tokens with int32
+        raise ValueError(f"seq_lens: lengths above {_INT32_MAX} tokens are not supported, got {max_len}")
     bad = np.flatnonzero((lens < 0) | (lens > max_len))
     if bad.size:
         i = int(bad[0])

@@ -207,6 +207,15 @@ def test_describe_cupy_transposed_view_is_not_contiguous():
     assert not got.is_contiguous
 
 
+def test_describe_cupy_refuses_strides_that_split_an_element():
+    # Byte strides (2049, 257, 2) floor-divided would read as a contiguous (1024, 128, 1).
+    cupy = pytest.importorskip("cupy")
+    x = cupy.lib.stride_tricks.as_strided(cupy_view((2, 8, 128), np.float16), shape=(2, 8, 128),
+                                          strides=(2049, 257, 2))
+    with pytest.raises(ValueError, match="q: byte strides"):
+        describe(x, "q")
+
+
 def test_to_cupy_passes_cupy_arrays_through():
     x = cupy_view((2, 64), np.float16)
     assert to_cupy(x) is x

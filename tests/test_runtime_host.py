@@ -184,3 +184,23 @@ def test_dense_spec_overrides_the_dense_program_alone(monkeypatch):
         DecodeAttention(32, 8, 128, dense_spec=dense.replace(group_size=8))
     with pytest.raises(ValueError, match="^spec"):
         DecodeAttention(32, 8, 128, spec=split.replace(head_dim=64))
+
+
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    ((32, 0, 128), {}, ValueError, "num_kv_heads"),
+    ((32, 8, 0), {}, ValueError, "head_dim"),
+    ((32, 8, 128.0), {}, TypeError, "head_dim"),
+    ((True, 1, 128), {}, TypeError, "num_qo_heads"),
+    ((32, 8, 128), {"sm_scale": float("nan")}, ValueError, "sm_scale"),
+    ((32, 8, 128), {"sm_scale": -0.1}, ValueError, "sm_scale"),
+])
+def test_constructor_arguments_are_checked_first(args, kwargs, error, message):
+    # Before any device is touched (this machine may have none), and naming the argument.
+    with pytest.raises(error, match=message):
+        DecodeAttention(*args, **kwargs)
+
+
+def test_lengths_past_int32_are_refused_not_wrapped():
+    # The programs index tokens with int32: 2**32 + 5 must not become 5.
+    with pytest.raises(ValueError, match="2147483647"):
+        host_lengths(None, [2**32 + 5, 7], None)

@@ -1,8 +1,10 @@
 """KernelSpec validation: every bad choice raises with the field's name."""
 
+import numpy as np
 import pytest
 
-from splitkv.spec import KernelSpec, MergeSpec, arch_number, parse_arch
+from splitkv.heuristics import default_spec
+from splitkv.spec import ARCHS, HEAD_DIMS, KernelSpec, MergeSpec, arch_number, parse_arch
 
 
 @pytest.mark.parametrize("arch, expected", [("sm90", "sm_90"), ("sm_90", "sm_90"), (90, "sm_90"),
@@ -11,7 +13,7 @@ def test_arch_spellings(arch, expected):
     assert parse_arch(arch) == expected
 
 
-@pytest.mark.parametrize("arch", ["sm_75", "hopper", "sm_9x", ""])
+@pytest.mark.parametrize("arch", ["sm_75", "hopper", "sm_9x", "", "sm_1000", "sm_95", "sm_80a"])
 def test_bad_arch(arch):
     with pytest.raises(ValueError, match="arch"):
         parse_arch(arch)
@@ -57,6 +59,44 @@ def test_merge_spec():
     with pytest.raises(ValueError, match="out_dtype"):
         MergeSpec(out_dtype="fp32")
     assert arch_number("sm_90a") == 90
+
+
+def test_merge_spec_threads_are_whole_warps_and_named():
+    # The merge program's CTA size changes its code, so it must be valid and in the name.
+    assert MergeSpec(threads=256).name == "sm_90-merge-d128-bf16-t256"
+    assert MergeSpec(threads=64).name != MergeSpec(threads=256).name
+    for bad in (7, 0, 2048):
+        with pytest.raises(ValueError, match="threads"):
+            MergeSpec(threads=bad)
+    with pytest.raises(TypeError, match="threads"):
+        MergeSpec(threads="x")
+
+
+@pytest.mark.parametrize("field, value", [("head_dim", 128.0), ("warps", 4.0), ("group_size", True),
+                                          ("cluster", 1.0), ("chunk_size", "256")])
+def test_integer_fields_refuse_floats_bools_and_strings(field, value):
+    # 128.0 == 128 and True == 1 would pass the choice checks and then print as 'd128.0' or 'gTrue'.
+    with pytest.raises(TypeError, match=field):
+        KernelSpec(**{field: value})
+
+
+def test_integral_values_become_plain_ints():
+    spec = KernelSpec(head_dim=np.int64(128), group_size=np.int32(4))
+    assert spec == KernelSpec() and spec.name == KernelSpec().name
+    assert type(spec.head_dim) is int and type(spec.group_size) is int
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_default_shapes_fit_every_known_arch(arch):
+    # sm_86, sm_89 and sm_120 allow 99 KB per CTA: the built-in shapes must shrink to fit there.
+    for head_dim in HEAD_DIMS:
+        for group in (1, 4, 8, 16):
+            for variant in ("split", "dense"):
+                spec = default_spec(f"sm_{arch}", head_dim, group, variant=variant)
+                assert spec.smem_bytes + spec.static_smem_bytes <= ARCHS[arch].smem_per_cta
+    # Where the H200's shape fits, it is kept.
+    if ARCHS[arch].smem_per_cta >= 163 * 1024:
+        assert default_spec(f"sm_{arch}", 128, 4).tile_tokens == 32
 
 
 def test_bulk_copies_need_sm90():

@@ -387,6 +387,25 @@ def test_return_lse_and_default_path():
     check_close(out_dev, None, ref_dev, None, lens, "bf16", "decode() device seq_lens, sm_scale")
 
 
+def test_empty_cache_and_empty_batch():
+    # k.shape[1] == 0 (every length 0): zeros and lse = -inf, through the tensor maps' stand-in tile
+    # on sm_90+; B = 0: empty results and no launch.
+    q, _ = random_values((2, 8, 128), "bf16", 21)
+    k = cupy.zeros((2, 0, 2, 128), dtype=cupy.uint16)
+    out = poisoned((2, 8, 128), "bf16")
+    splitkv.decode(q, k, k, out=out)
+    assert int(cupy.count_nonzero(out)) == 0  # every element written, as +0.0 (bf16 bits 0)
+    attn = DecodeAttention(8, 2, 128)
+    attn.plan([0, 0])
+    out, lse = poisoned((2, 8, 128), "bf16"), cupy.full((2, 8), cupy.nan, dtype=cupy.float32)
+    attn.run(q, k, k, out=out, lse=lse)
+    assert int(cupy.count_nonzero(out)) == 0
+    assert bool(cupy.all(cupy.isneginf(lse)))
+    empty_q = cupy.zeros((0, 8, 128), dtype=cupy.uint16)
+    out, lse = splitkv.decode(empty_q, k[:0], k[:0], return_lse=True)
+    assert out.shape == (0, 8, 128) and lse.shape == (0, 8)
+
+
 @pytest.mark.parametrize("changes, num_kv, lens", [({}, 4, [3000, 17, 8000, 0]),
                                                   ({"kv_copy": "cp_async", "steal_tiles": 4}, 4, [3000, 17, 8000, 0]),
                                                   ({"kv_copy": "cp_async", "steal_tiles": 4}, 1, [8000, 17, 3000, 0]),

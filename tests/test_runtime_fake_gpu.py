@@ -1,0 +1,161 @@
+"""The runtime's host logic driven without a GPU: CuPy's device, allocations, the program loader,
+the tensor-map encoder and the stream switch are replaced by recorders, so what plan(), run() and
+decode() would launch (and what they refuse) can be checked on any machine. The programs
+themselves are checked on a GPU by tests/gpu."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+
+import numpy as np
+import pytest
+
+from splitkv import runtime, tensors
+from splitkv.heuristics import default_spec
+
+_addresses = itertools.count(0x7E00_0000_0000, 1 << 24)
+
+
+class _DeviceArray:
+    """A device array as far as the runtime sees one: an interface, a pointer, host values."""
+
+    def __init__(self, shape, typestr="<f2", values=None):
+        self.shape = tuple(shape)
+        self.host = None if values is None else np.asarray(values, dtype=np.int32)
+        self.__cuda_array_interface__ = {"version": 3, "shape": self.shape, "typestr": typestr,
+                                         "data": (next(_addresses), False), "strides": None}
+
+    def get(self):
+        return self.host.copy()
+
+
+class _Buffer:
+    """What cupy.zeros returns here: a pointer and host-side contents."""
+
+    def __init__(self, size, dtype):
+        self.size, self.host = size, np.zeros(size, dtype)
+        self.data = types.SimpleNamespace(ptr=next(_addresses))
+
+    def __getitem__(self, _):
+        return self
+
+    def fill(self, value):
+        self.host[:] = value
+
+    def set(self, values):
+        self.host[: values.size] = values
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    import cupy
+
+    from splitkv import tensor_map
+    from splitkv.codegen import load, occupancy
+
+    record = types.SimpleNamespace(launches=[], maps=[], loads=[])
+
+    class Device(contextlib.AbstractContextManager):
+        compute_capability = "90"
+        attributes = {"MultiProcessorCount": 132}
+
+        def __init__(self, ordinal=None):
+            self.id = 0 if ordinal is None else ordinal
+
+        def __exit__(self, *exc):
+            return None
+
+    def load_kernel(spec, source=None):
+        record.loads.append(spec)
+
+        def launch(grid, block, args, shared_mem=0):
+            record.launches.append(types.SimpleNamespace(spec=spec, grid=grid, args=args))
+        return launch, types.SimpleNamespace(registers=96)
+
+    def encode(ptr, rows, cols, elem_bytes, box_rows):
+        tensor_map.box_geometry(rows, cols, elem_bytes, box_rows)  # the real checks of the view
+        record.maps.append((ptr, rows, cols))
+        return tensor_map._aligned_buffer()
+
+    def to_cupy(x):
+        if isinstance(x, _DeviceArray):
+            return types.SimpleNamespace(get=x.get, data=types.SimpleNamespace(ptr=x.__cuda_array_interface__["data"][0]))
+        raise AssertionError(f"unexpected array {x!r}")
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy, "zeros", lambda size, dtype: _Buffer(size, dtype))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype: _DeviceArray(shape, np.dtype(dtype).str))
+    monkeypatch.setattr(load, "load_kernel", load_kernel)
+    monkeypatch.setattr(occupancy, "max_active_clusters", lambda function, cluster, threads, smem: 132 // cluster)
+    monkeypatch.setattr(tensor_map, "encode", encode)
+    monkeypatch.setattr(tensors, "to_cupy", to_cupy)
+    monkeypatch.setattr(tensors, "stream_ptr", lambda like, stream=None: 0)
+    monkeypatch.setattr(runtime, "_stream", lambda ptr: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, "_instances", type(runtime._instances)())
+    return record
+
+
+def _qkv(batch, num_qo_heads, num_kv_heads, head_dim, cache_len):
+    return (_DeviceArray((batch, num_qo_heads, head_dim)), _DeviceArray((batch, cache_len, num_kv_heads, head_dim)),
+            _DeviceArray((batch, cache_len, num_kv_heads, head_dim)))
+
+
+@pytest.mark.parametrize("lens, message", [([5, 2000], r"seq_lens\[1\] = 2000"), ([5, -3], r"seq_lens\[1\] = -3"),
+                                           ([5, 6, 7], r"seq_lens: expected shape \(2,\)")])
+def test_decode_checks_device_lengths_against_the_batch_and_cache(fake_gpu, lens, message):
+    q, k, v = _qkv(2, 8, 2, 128, 1024)
+    with pytest.raises(ValueError, match=message):
+        runtime.decode(q, k, v, _DeviceArray((len(lens),), "<i4", lens))
+    assert not fake_gpu.loads and not fake_gpu.launches  # refused before compiling or launching
+
+
+def test_decode_plans_on_its_own_copy_of_device_lengths(fake_gpu):
+    q, k, v = _qkv(2, 8, 2, 128, 1024)
+    lens = _DeviceArray((2,), "<i4", [5, 1000])
+    runtime.decode(q, k, v, lens)
+    (launch,) = fake_gpu.launches
+    assert int(launch.args[3]) != lens.__cuda_array_interface__["data"][0]  # the lengths' pointer
+    (attn,) = runtime._instances.values()
+    assert attn._launch.seq_lens is not lens and attn._launch.max_len == 1000
+
+
+def test_decode_of_an_empty_cache_maps_a_stand_in_tile(fake_gpu):
+    # k.shape[1] == 0: every length is 0 and no tile is read, but the maps must describe memory.
+    q, k, v = _qkv(2, 8, 2, 128, 0)
+    runtime.decode(q, k, v)
+    (launch,) = fake_gpu.launches
+    assert launch.spec.kv_copy == "tma"
+    (attn,) = runtime._instances.values()
+    stand_in = attn._launch.empty_kv_ptr
+    assert stand_in and fake_gpu.maps == [(stand_in, launch.spec.tile_tokens, 2 * 128)]  # K and V share it
+    assert attn._launch.max_len == 0
+
+
+def test_decode_of_an_empty_batch_returns_empty_results(fake_gpu):
+    q, k, v = _qkv(0, 8, 2, 128, 64)
+    out, lse = runtime.decode(q, k, v, return_lse=True)
+    assert out.shape == (0, 8, 128) and lse.shape == (0, 8)
+    assert not fake_gpu.launches
+    with pytest.raises(ValueError, match="out"):
+        runtime.decode(q, k, v, out=_DeviceArray((1, 8, 128)))
+
+
+def test_decode_keeps_a_bounded_number_of_instances(fake_gpu):
+    for head_dim in (64, 128):
+        for num_kv_heads in range(1, 13):
+            runtime.decode(*_qkv(1, 2 * num_kv_heads, num_kv_heads, head_dim, 64))
+    assert len(runtime._instances) == runtime._MAX_INSTANCES
+    last = next(reversed(runtime._instances))
+    assert last[2:5] == (24, 12, 128)  # the most recent layout is kept
+
+
+def test_dense_plans_do_not_need_the_split_chunk_in_whole_dense_tiles(fake_gpu):
+    # A dense program streams each row whole: the split program's chunk size says nothing about it.
+    split = default_spec("sm_90", 128, 4).replace(tile_tokens=16, chunk_size=16)
+    dense = default_spec("sm_90", 128, 4, variant="dense")
+    assert dense.tile_tokens == 32
+    attn = runtime.DecodeAttention(32, 8, 128, spec=split, dense_spec=dense)
+    plan = attn.plan([10, 5], variant="dense")
+    assert plan.variant == "dense" and attn._launch.spec == dense

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -21,8 +22,12 @@ from pathlib import Path
 LOG_LINES = 12
 
 TUNE_UNAVAILABLE = ("splitkv-gen: autotuning (--tune) is not available in splitkv {version}; "
-                    "a later release adds it. Until then the runtime uses its built-in heuristic "
-                    "and any tuned tables shipped in splitkv/tuned_configs/.")
+                    "autotuning and the tuned tables it writes come with a later release. Until "
+                    "then the runtime chooses CTA shapes with its built-in heuristic.")
+
+#: Exit status when the reader of our output went away (`splitkv-gen --list | head -1`): what a
+#: process killed by SIGPIPE reports to the shell.
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE is 13 (the signal module has no SIGPIPE on Windows)
 
 _EPILOG = """\
 subcommands:
@@ -218,9 +223,32 @@ def _compile_all(specs, jobs: int, codegen):
     return results, failures
 
 
+def _prepare_emit_dir(parser, directory: Path) -> None:
+    """Create --emit's folder and check it can be written before compiling, so that a bad path is a
+    usage error at once rather than a traceback after every kernel has been built."""
+    if directory.exists() and not directory.is_dir():
+        parser.error(f"--emit: {directory} exists and is not a folder")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        parser.error(f"--emit: cannot write to {directory}: {e.strerror or e}")
+
+
+def _check_compiler(compiler) -> str | None:
+    """Why nothing can be compiled here (no NVRTC, no CUDA headers, no writable cache), or None.
+    Asked once, so that the reason is said once and not once per kernel."""
+    try:
+        compiler.check_compiler()
+        compiler.ensure_cache_dir()
+    except (compiler.CompilerUnavailableError, compiler.CacheDirError) as e:
+        return str(e)
+    return None
+
+
 def _emit(results, directory: Path, headers: dict[str, str]) -> int:
     """Sources, cubins and the helper headers the sources include: the folder compiles on its own."""
-    directory.mkdir(parents=True, exist_ok=True)
     for name, text in headers.items():
         (directory / name).write_text(text)
     for r in results:
@@ -240,6 +268,26 @@ def _run_bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    """The console script: `_main`, quiet when the reader of its output goes away early."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Flushed here, where a closed pipe can still be caught; at exit it prints a traceback.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's own flush at exit fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `bench` is dispatched before argparse: its options belong to the benchmark, and an argparse
     # subparser would make every other invocation name a subcommand too.
@@ -279,6 +327,15 @@ def main(argv=None) -> int:
             print(s.name)
         return 0
 
+    if args.emit is not None:
+        _prepare_emit_dir(parser, args.emit)
+    from splitkv.codegen import compile as compiler
+
+    problem = _check_compiler(compiler)
+    if problem is not None:
+        print(f"splitkv-gen: {problem}", file=sys.stderr)
+        return 2
+
     jobs = args.jobs or os.cpu_count() or 1
     print(f"compiling {len(specs)} kernels for {arch} with {min(jobs, len(specs))} jobs",
           file=sys.stderr)
@@ -288,13 +345,18 @@ def main(argv=None) -> int:
 
     if results:
         print(format_table(results))
+    emitted = True
     if args.emit is not None and results:
-        written = _emit(results, args.emit, codegen.helper_headers())
-        print(f"wrote {written} files to {args.emit}", file=sys.stderr)
+        try:
+            written = _emit(results, args.emit, codegen.helper_headers())
+            print(f"wrote {written} files to {args.emit}", file=sys.stderr)
+        except OSError as e:  # the folder was checked before compiling; a full disk still shows here
+            print(f"splitkv-gen: --emit: cannot write to {args.emit}: {e.strerror or e}", file=sys.stderr)
+            emitted = False
     for name, exc in failures:
         print(_describe_failure(name, exc, codegen), file=sys.stderr)
     print(f"{len(results)} built, {len(failures)} failed in {wall:.1f} s", file=sys.stderr)
-    return 1 if failures else 0
+    return 1 if failures or not emitted else 0
 
 
 if __name__ == "__main__":

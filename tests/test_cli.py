@@ -3,6 +3,7 @@ behaviour (parsing, filters, output, files, exit codes), not the compiler's."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ import pytest
 
 import splitkv
 from splitkv import cli
+from splitkv.codegen import compile as real_compiler
 from splitkv.spec import KernelSpec, MergeSpec
 
 SPECS = [
@@ -61,7 +63,12 @@ class FakeCodegen:
         self.compiled = []
         self.fail = {}
         self.before = {}
+        self.missing_compiler = None  # the message check_compiler raises with, when set
         self.lock = threading.Lock()
+
+    def check_compiler(self):
+        if self.missing_compiler is not None:
+            raise real_compiler.CompilerUnavailableError(self.missing_compiler)
 
     def default_specs(self, arch, *, head_dims=None, group_sizes=None, kv_dtypes=None):
         self.calls.append(dict(arch=arch, head_dims=head_dims, group_sizes=group_sizes,
@@ -79,13 +86,20 @@ class FakeCodegen:
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(monkeypatch, tmp_path):
     fc = FakeCodegen()
     module = types.ModuleType("splitkv.codegen")
     module.default_specs = fc.default_specs
     module.compile_cubin = fc.compile_cubin
     module.CompileError = FakeCompileError
     module.helper_headers = lambda: dict(FAKE_HEADERS)
+    # The compiler checks: NVRTC faked, the cache folder's check real (it needs no CuPy) and kept
+    # out of the user's own cache.
+    module.compile = types.SimpleNamespace(
+        check_compiler=fc.check_compiler, ensure_cache_dir=real_compiler.ensure_cache_dir,
+        CompilerUnavailableError=real_compiler.CompilerUnavailableError,
+        CacheDirError=real_compiler.CacheDirError)
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setitem(sys.modules, "splitkv.codegen", module)
     monkeypatch.setattr(splitkv, "codegen", module, raising=False)
     return fc
@@ -200,6 +214,29 @@ def test_emit_writes_source_and_cubin(fake, capsys, tmp_path):
         assert (dest / f"{spec.name}.cubin").read_bytes() == r.cubin
 
 
+@pytest.mark.parametrize("under_a_file", [False, True], ids=["dir-is-a-file", "dir-under-a-file"])
+def test_emit_to_a_path_that_cannot_be_a_folder_is_a_usage_error(fake, capsys, tmp_path, under_a_file):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    dest = blocker / "kernels" if under_a_file else blocker
+    code, out, err = run(capsys, "--arch", "sm90", "--emit", str(dest))
+    assert code == 2
+    assert "--emit" in err and str(dest) in err and "Traceback" not in err
+    assert fake.compiled == [], "a bad --emit must be refused before anything compiles"
+    assert out == ""
+
+
+def test_emit_creates_its_folder_before_compiling(fake, capsys, tmp_path):
+    dest = tmp_path / "new" / "kernels"
+    fake.before = {SPECS[0].name: lambda: assert_is_dir(dest)}
+    code, _, _ = run(capsys, "--arch", "sm90", "--jobs", "1", "--emit", str(dest))
+    assert code == 0
+
+
+def assert_is_dir(path):
+    assert path.is_dir(), f"{path} should exist before the first kernel compiles"
+
+
 def test_compile_failure_is_reported_and_the_rest_still_build(fake, capsys, tmp_path):
     bad = SPECS[1].name
     log = "\n".join(f"kernel.cu({n}): error: line {n} of the log" for n in range(1, 31))
@@ -235,7 +272,43 @@ def test_tune_is_not_available_yet(fake, capsys):
     code, out, err = run(capsys, "--arch", "sm90", "--tune")
     assert code == 2
     assert "not available" in err and "later release" in err
+    # Nothing reads tuned tables yet, so the message must not promise that something does.
+    assert "built-in heuristic" in err and "tuned_configs" not in err
     assert fake.calls == [] and fake.compiled == []
+
+
+def test_missing_cupy_is_said_once_with_the_extras_to_install(monkeypatch, capsys, tmp_path):
+    # The real code generator, on a machine without CuPy: one message, not one failure per kernel.
+    for name in [m for m in sys.modules if m.startswith("cupy.")] + ["cupy"]:
+        # As if CuPy had never been installed (its submodules too: an import that finds
+        # cupy.cuda in sys.modules never looks at cupy).
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path))
+    code, out, err = run(capsys, "--arch", "sm90", "--head-dim", "64", "--group", "1,2")
+    assert code == 2
+    assert out == ""
+    assert err.count("splitkv-gen:") == 1 and "FAILED" not in err and "compiling" not in err
+    assert "pip install 'splitkv[cu13]'" in err and "'splitkv[cu12]'" in err
+
+
+def test_missing_compiler_stops_before_compiling(fake, capsys):
+    fake.missing_compiler = "NVRTC is not available; pip install 'splitkv[cu13]'"
+    code, _, err = run(capsys, "--arch", "sm90")
+    assert code == 2
+    assert err.strip() == f"splitkv-gen: {fake.missing_compiler}"
+    assert fake.compiled == []
+
+
+def test_unwritable_cache_is_said_once(fake, capsys, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache = blocker / "cache"
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(cache))
+    code, out, err = run(capsys, "--arch", "sm90")
+    assert code == 2
+    assert err.count("splitkv-gen:") == 1 and "FAILED" not in err
+    assert str(cache) in err and "SPLITKV_CACHE_DIR" in err
+    assert fake.compiled == [] and out == ""
 
 
 @pytest.mark.parametrize("arch, expected", [
@@ -282,6 +355,20 @@ def test_bench_forwards_its_arguments(monkeypatch, capsys):
     assert seen == [["--arch", "sm90", "--json", "x.json"]]
 
 
+def test_a_reader_that_goes_away_ends_the_output_quietly():
+    # `splitkv-gen --arch sm90 --list | head -1`, made deterministic: the pipe has no reader at
+    # all, so the first write fails however fast or slow the child is.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "splitkv.cli", "--arch", "sm90", "--list"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == cli.EXIT_BROKEN_PIPE
+
+
 def test_help_imports_neither_codegen_nor_bench():
     probe = ("import sys\nfrom splitkv import cli\n"
              "try:\n    cli.main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
@@ -315,6 +402,10 @@ def test_real_codegen_offers_what_the_cli_calls():
     for keyword in ("head_dims", "group_sizes", "kv_dtypes"):
         assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY, keyword
     assert callable(codegen.compile_cubin)
+    for name in ("check_compiler", "ensure_cache_dir"):
+        assert callable(getattr(codegen.compile, name)), name
+    assert issubclass(codegen.compile.CompilerUnavailableError, Exception)
+    assert issubclass(codegen.compile.CacheDirError, OSError)
     assert set(codegen.helper_headers()) == {"primitives.cuh", "merge.cuh"}
     assert issubclass(codegen.CompileError, Exception)
     err = codegen.CompileError("failed", "the log", Path("kernel.cu"))

@@ -1,21 +1,47 @@
-"""Rendering and GPU-free compilation of every program in the default kernel set."""
+"""Rendering and GPU-free compilation of every program in the default kernel set; the compile
+cache's files and errors; the package data that ships the templates."""
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
 import re
+import sys
+from pathlib import Path
 
 import jinja2
 import pytest
 
-from splitkv.codegen import CompileError, compile_cubin, default_specs, render
-from splitkv.codegen.compile import parse_ptxas_log
+import splitkv.codegen.compile as compile_module
+from splitkv.codegen import CompileError, compile_cubin, default_specs, helper_headers, render
+from splitkv.codegen.compile import CacheDirError, CompilerUnavailableError, parse_ptxas_log
 from splitkv.codegen.render import _environment, template_parameters
 from splitkv.heuristics import default_spec, resident_ctas_per_sm
 from splitkv.spec import KernelSpec, MergeSpec
 
-pytest.importorskip("cupy")
+REPO = Path(__file__).resolve().parents[1]
+
+#: Compiling needs CuPy's NVRTC; rendering, packaging and the error paths below do not.
+needs_nvrtc = pytest.mark.skipif(importlib.util.find_spec("cupy") is None,
+                                 reason="CuPy is not installed (pip install -e '.[cu13,test]')")
 
 DEFAULT_SET = default_specs("sm90")
+
+
+@pytest.fixture(autouse=True)
+def _cache_outside_home(monkeypatch, tmp_path_factory):
+    """Compiles land in a cache of the test run, never in the user's own; a test that looks at
+    the cache's files sets its own folder."""
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache folder and an empty memory cache, so that results come from this test."""
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_module, "_memory_cache", {})
+    return tmp_path
 
 
 def test_default_set_covers_the_vocabulary():
@@ -28,6 +54,7 @@ def test_default_set_covers_the_vocabulary():
     assert sum(isinstance(s, MergeSpec) for s in DEFAULT_SET) == 8
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("spec", DEFAULT_SET, ids=lambda s: s.name)
 def test_every_default_kernel_compiles_for_sm90(spec):
     result = compile_cubin(spec, use_disk_cache=False)
@@ -37,6 +64,21 @@ def test_every_default_kernel_compiles_for_sm90(spec):
     assert "{{" not in result.source and "{%" not in result.source
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_86", "sm_89", "sm_120"])
+def test_shrunk_default_shapes_compile_for_99_kb_gpus(arch):
+    # These GPUs give a CTA 99 KB of shared memory: the built-in shapes shrink their rings to fit.
+    from splitkv.codegen import default_specs
+
+    specs = [s for s in default_specs(arch, head_dims=(128, 256), group_sizes=(4, 16), kv_dtypes=("bf16",))
+             if isinstance(s, KernelSpec)]
+    assert {s.tile_tokens for s in specs} == {16}
+    for spec in specs:
+        result = compile_cubin(spec)
+        assert result.cubin[:4] == b"\x7fELF" and result.spill_bytes == 0, spec.name
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("changes", [
     {"kv_copy": "bulk"}, {"kv_copy": "bulk", "variant": "dense", "cluster": 1},
     {"kv_copy": "bulk", "head_dim": 256, "group_size": 16, "tile_tokens": 16, "chunk_size": 64, "cluster": 16},
@@ -49,6 +91,7 @@ def test_bulk_copy_kernels_compile_for_sm90(changes):
     assert "cp.async.bulk" in result.source or "bulk_copy_to_smem" in result.source
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("changes", [
     {}, {"variant": "dense", "cluster": 1}, {"mma_m": "tokens"},
     {"head_dim": 256, "group_size": 16, "tile_tokens": 16, "chunk_size": 64, "cluster": 16},
@@ -62,6 +105,7 @@ def test_tensor_copy_kernels_compile_for_sm90(changes):
     assert "cp_async_16(" not in result.source.split("splitkv_decode(")[1]  # no per-lane copies left
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("variant", ["dense", "split"])
 def test_tokens_on_the_mma_rows_compile_for_sm90(head_dim, variant):
@@ -74,6 +118,7 @@ def test_tokens_on_the_mma_rows_compile_for_sm90(head_dim, variant):
         assert "movmatrix_trans" in result.source
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_row_spanning_kernels_compile_for_sm90_without_spills(head_dim):
     for group in (1, 4, 16):
@@ -102,36 +147,158 @@ def test_missing_template_parameter_is_an_error():
         _environment().get_template("decode.cu.j2").render(**params)
 
 
-def test_compile_failure_reports_log_and_source(monkeypatch, tmp_path):
-    import splitkv.codegen.compile as compile_module
-
-    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path))
+@needs_nvrtc
+def test_compile_failure_reports_log_and_source(monkeypatch, fresh):
     monkeypatch.setattr(compile_module, "render", lambda spec: "this is not CUDA;\n")
     with pytest.raises(CompileError) as info:
         compile_module.compile_cubin(KernelSpec(group_size=5), use_disk_cache=False)
     assert "error" in info.value.log
     assert info.value.source_path is not None and info.value.source_path.exists()
     assert info.value.source_path.read_text() == "this is not CUDA;\n"
+    assert info.value.source_path.is_relative_to(fresh / "src")
 
 
-def test_disk_cache_round_trip(monkeypatch, tmp_path):
-    import splitkv.codegen.compile as compile_module
-
-    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path))
+@needs_nvrtc
+def test_disk_cache_round_trip(fresh):
     spec = KernelSpec(group_size=3, head_dim=64)
     first = compile_module.compile_cubin(spec, use_disk_cache=False)
     compile_module._memory_cache.clear()
     again = compile_module.compile_cubin(spec)
+    assert again.cached and not first.cached
     assert again.cubin == first.cubin and again.registers == first.registers
-    assert list(tmp_path.glob("*.cubin"))
+    assert again.cubin_path == first.cubin_path and again.cubin_path.parent == fresh
+    assert again.source_path == first.source_path
 
 
-def test_a_patched_source_compiles_beside_the_rendered_one(monkeypatch, tmp_path):
+@needs_nvrtc
+def test_without_the_disk_cache_the_program_is_compiled_again_and_stored(fresh):
+    # What compile_cubin's docstring promises for use_disk_cache=False.
+    spec = MergeSpec(head_dim=64, out_dtype="fp16")
+    first = compile_module.compile_cubin(spec)
+    first.cubin_path.write_bytes(b"stale")
+    compile_module._memory_cache.clear()
+    again = compile_module.compile_cubin(spec, use_disk_cache=False)
+    assert not again.cached and again.cubin[:4] == b"\x7fELF"
+    assert again.cubin_path.read_bytes() == again.cubin, "the new cubin replaces the one on disk"
+    assert compile_module.compile_cubin(spec, use_disk_cache=False) is again  # memory cache still used
+
+
+@needs_nvrtc
+def test_programs_of_one_name_keep_their_own_sources(monkeypatch, fresh):
+    # Two splitkv versions sharing a cache render different programs under the same name.
+    spec = KernelSpec(group_size=2, head_dim=96)
+    ours = compile_module.compile_cubin(spec, use_disk_cache=False)
+    theirs_source = "// another version\n" + ours.source
+    monkeypatch.setattr(compile_module, "render", lambda s: theirs_source)
+    theirs = compile_module.compile_cubin(spec, use_disk_cache=False)
+    assert ours.source_path.name == theirs.source_path.name == f"{spec.name}.cu"
+    assert ours.source_path != theirs.source_path
+    assert ours.source_path.read_text() == ours.source
+    assert theirs.source_path.read_text() == theirs_source
+    for result in (ours, theirs):  # each folder compiles on its own: the headers are beside it
+        for name, text in helper_headers().items():
+            assert (result.source_path.parent / name).read_text() == text
+    compile_module._memory_cache.clear()
+    cached = compile_module.compile_cubin(spec)
+    assert cached.cached and cached.source_path == theirs.source_path
+
+
+def test_an_unwritable_cache_is_named(monkeypatch, fresh):
+    blocker = fresh / "a-file"
+    blocker.write_text("")
+    cache = blocker / "cache"
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(cache))
+    with pytest.raises(CacheDirError) as info:
+        compile_module.ensure_cache_dir()
+    assert str(cache) in str(info.value) and "from SPLITKV_CACHE_DIR" in str(info.value)
+    assert isinstance(info.value, OSError) and info.value.folder == cache
+    # The default folder (under XDG_CACHE_HOME) is named too, with the variable that moves it.
+    monkeypatch.delenv("SPLITKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with pytest.raises(CacheDirError, match="set SPLITKV_CACHE_DIR") as info:
+        compile_module.ensure_cache_dir()
+    assert str(blocker / "splitkv") in str(info.value)
+
+
+@needs_nvrtc
+def test_compiling_into_an_unwritable_cache_fails_before_nvrtc_runs(monkeypatch, fresh):
+    from cupy.cuda import nvrtc
+
+    blocker = fresh / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(nvrtc, "compileProgram", lambda *args: pytest.fail("NVRTC ran for nothing"))
+    with pytest.raises(CacheDirError, match="SPLITKV_CACHE_DIR"):
+        compile_module.compile_cubin(MergeSpec(head_dim=96))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_cache_files_get_the_mode_the_umask_gives(fresh, umask):
+    # A cache shared by several users or CI runners must be readable by them (mkstemp gives 0600).
+    previous = os.umask(umask)
+    try:
+        result = compile_module.compile_cubin(MergeSpec(head_dim=128, out_dtype="fp16"))
+    finally:
+        os.umask(previous)
+    files = [p for p in fresh.rglob("*") if p.is_file()]
+    assert {result.cubin_path, result.source_path, result.source_path.parent / "merge.cuh"} <= set(files)
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(0o666 & ~umask)}
+
+
+@pytest.mark.parametrize("proc", [True, False], ids=["proc-status", "umask-call"])
+def test_file_mode_follows_the_umask(monkeypatch, proc):
+    if not proc:  # where /proc cannot be read, the umask is read by setting it
+        monkeypatch.setattr(compile_module, "open", _no_file, raising=False)
+    previous = os.umask(0o027)
+    try:
+        assert compile_module._file_mode() == 0o640
+    finally:
+        os.umask(previous)
+
+
+def _no_file(*args, **kwargs):
+    raise FileNotFoundError(args[0])
+
+
+def hide_cupy(monkeypatch):
+    """Make CuPy unimportable, as if it had never been installed: its submodules too, since an
+    import of cupy.cuda that finds it in sys.modules never looks at cupy."""
+    for name in [m for m in sys.modules if m.startswith("cupy.")] + ["cupy"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_without_cupy_compiling_says_what_to_install(monkeypatch, fresh):
+    hide_cupy(monkeypatch)
+    for attempt in (compile_module.check_compiler, lambda: compile_cubin(MergeSpec(head_dim=64))):
+        with pytest.raises(CompilerUnavailableError) as info:
+            attempt()
+        assert "pip install 'splitkv[cu13]'" in str(info.value) and "'splitkv[cu12]'" in str(info.value)
+
+
+def test_package_data_ships_every_template_and_table():
+    # CI installs in editable mode, where every file is found whatever pyproject says; this keeps
+    # a glob that misses a file from shipping a wheel without it.
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        tomllib = pytest.importorskip("tomli")
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    package = REPO / "splitkv"
+    # setuptools expands each glob under the package folder, recursively, the same way.
+    shipped = {Path(path) for pattern in config["tool"]["setuptools"]["package-data"]["splitkv"]
+               for path in glob.glob(str(package / pattern), recursive=True)}
+    for folder in ("templates", "tuned_configs"):
+        files = [p for p in (package / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        assert files, f"splitkv/{folder}/ holds no file, so no wheel would hold the folder"
+        missing = sorted(str(p.relative_to(REPO)) for p in files if p not in shipped)
+        assert not missing, f"pyproject's package-data leaves out {missing}"
+
+
+@needs_nvrtc
+def test_a_patched_source_compiles_beside_the_rendered_one(fresh):
     # The benchmark tools compile patched programs through the same path: same options and
     # headers, their own cache entry, and their own source file (the rendered one's stays intact).
-    import splitkv.codegen.compile as compile_module
-
-    monkeypatch.setenv("SPLITKV_CACHE_DIR", str(tmp_path))
     spec = KernelSpec(group_size=2, head_dim=64)
     rendered = compile_module.compile_cubin(spec, use_disk_cache=False)
     patched_text = render(spec).replace("extern __shared__", "// patched\n    extern __shared__", 1)
@@ -144,6 +311,7 @@ def test_a_patched_source_compiles_beside_the_rendered_one(monkeypatch, tmp_path
     assert compile_module.compile_cubin(spec).source_path == rendered.source_path  # from the disk cache
 
 
+@needs_nvrtc
 def test_sm100a_compiles():
     result = compile_cubin(KernelSpec(arch="sm_100a"), use_disk_cache=False)
     assert result.cubin[:4] == b"\x7fELF"

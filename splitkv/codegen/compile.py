@@ -3,7 +3,8 @@
 The same path serves the runtime and the GPU-free uses (CI, ``splitkv-gen``): NVRTC is given the
 target arch explicitly, so it never asks a driver. Cubins are cached in memory and on disk, keyed
 by everything that can change the machine code: the rendered source, the helper headers, the
-options and the NVRTC version.
+options and the NVRTC version. Each cached program keeps its source and headers under
+``src/<key>/`` of the cache, so a failure or a profile points at exactly what was compiled.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from .render import helper_headers, render
 _REGISTERS_RE = re.compile(r"Used (\d+) registers")
 _SPILLS_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
+#: What to install when NVRTC (through CuPy) or the CUDA headers are missing; see pyproject's extras.
+INSTALL_HINT = ("install splitkv with the extra of your CUDA driver: "
+                "pip install 'splitkv[cu13]' (CUDA 13) or pip install 'splitkv[cu12]' (CUDA 12)")
+
 
 class CompileError(RuntimeError):
     """NVRTC rejected a program: carries its log and where the rendered source was written."""
@@ -34,6 +39,20 @@ class CompileError(RuntimeError):
         super().__init__(f"{message}\n--- NVRTC log ---\n{log}\n--- rendered source: {source_path}")
         self.log = log
         self.source_path = source_path
+
+
+class CompilerUnavailableError(ImportError):
+    """NVRTC (through CuPy) or the CUDA headers cannot be found, so no program can be compiled."""
+
+
+class CacheDirError(OSError):
+    """The cache folder cannot be created or written; compiled programs are loaded from there."""
+
+    def __init__(self, folder: Path, cause: OSError):
+        origin = " (from SPLITKV_CACHE_DIR)" if os.environ.get("SPLITKV_CACHE_DIR") else ""
+        super().__init__(f"cannot write the kernel cache {folder}{origin}: {cause.strerror or cause}; "
+                         "set SPLITKV_CACHE_DIR to a writable folder")
+        self.folder = folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +64,7 @@ class CompileResult:
     spill_bytes: int | None
     compile_ms: float
     log: str
-    source_path: Path | None
+    source_path: Path | None  # the compiled source, with its headers beside it; None if since deleted
     cubin_path: Path | None = None
     cached: bool = False  # from the disk cache; compile_ms is then the time of the original compile
 
@@ -82,14 +101,42 @@ def cuda_include_dirs() -> tuple[str, ...]:
     for folder in candidates:
         if os.path.exists(os.path.join(folder, "cuda_bf16.h")):
             return (folder,)
-    raise CompileError("CUDA headers (cuda_bf16.h) not found: install splitkv[cu13] (or [cu12]), "
-                       "or set CUDA_PATH", "", None)
+    raise CompilerUnavailableError(f"CUDA headers (cuda_bf16.h) not found: {INSTALL_HINT}, "
+                                   "or set CUDA_PATH to a CUDA toolkit")
+
+
+def _nvrtc():
+    """CuPy's NVRTC bindings, or an error that says what to install instead of a bare import error."""
+    try:
+        from cupy.cuda import nvrtc
+    except ImportError as exc:
+        raise CompilerUnavailableError(f"NVRTC is not available (CuPy cannot be imported: {exc}); "
+                                       f"{INSTALL_HINT}") from exc
+    return nvrtc
 
 
 def nvrtc_version() -> tuple[int, int]:
-    from cupy.cuda import nvrtc
+    return tuple(_nvrtc().getVersion())
 
-    return tuple(nvrtc.getVersion())
+
+def check_compiler() -> None:
+    """Raise CompilerUnavailableError unless NVRTC and the CUDA headers can be found, so that a tool
+    compiling many programs can say so once instead of once per program."""
+    nvrtc_version()
+    cuda_include_dirs()
+
+
+def ensure_cache_dir() -> Path:
+    """The cache folder, created if needed and checked writable; CacheDirError if it is not."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        # A probe file, because mkdir succeeds on a folder that exists but cannot be written.
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise CacheDirError(folder, exc) from exc
+    return folder
 
 
 def nvrtc_options(arch: str) -> list[str]:
@@ -105,6 +152,11 @@ def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True,
                   source: str | None = None) -> CompileResult:
     """Render ``spec`` and compile it to a cubin for ``spec.arch``; no GPU is involved.
 
+    A program compiled earlier in this process is returned from memory. Otherwise the disk cache is
+    read, unless ``use_disk_cache`` is False: then the program is compiled again, and the new cubin
+    still replaces the one on disk, because the loader loads cubins from their file. Compiling needs
+    a writable cache folder (CacheDirError names it otherwise); reading a cached cubin does not.
+
     ``source`` replaces the rendered program (the benchmark tools patch it to time or stamp its
     parts), compiled with the same options and headers so that it differs in nothing else.
     """
@@ -113,8 +165,8 @@ def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True,
     headers = helper_headers()
     options = nvrtc_options(spec.arch)
     key = _cache_key(source, headers, options)
-    # A patched program keeps its source next to, not over, the rendered one's.
-    stem = f"{spec.name}-patched-{key[:12]}" if patched else spec.name
+    # The key already keeps the two apart; the name says which one a log or a listing shows.
+    stem = f"{spec.name}-patched" if patched else spec.name
     with _lock:
         if key in _memory_cache:
             return _memory_cache[key]
@@ -136,9 +188,12 @@ def _cache_key(source: str, headers: dict[str, str], options: list[str]) -> str:
 
 
 def _compile(spec, source, headers, options, folder: Path, key: str, stem: str) -> CompileResult:
-    from cupy.cuda import nvrtc
-
-    source_path = _write_source(folder, stem, source, headers)
+    nvrtc = _nvrtc()
+    src = folder / _source_dir(key)
+    source_path = src / f"{stem}.cu"
+    # Written first: it is where a failure points, and an unwritable cache shows before NVRTC runs.
+    _write_cache_files(folder, [*((src / name, text.encode()) for name, text in headers.items()),
+                                (source_path, source.encode())])
     start = time.perf_counter()
     program = nvrtc.createProgram(source, f"{stem}.cu", [h.encode() for h in headers.values()],
                                   [n.encode() for n in headers.keys()])
@@ -154,9 +209,11 @@ def _compile(spec, source, headers, options, folder: Path, key: str, stem: str) 
         nvrtc.destroyProgram(program)
     compile_ms = (time.perf_counter() - start) * 1e3
     registers, spills = parse_ptxas_log(log)
-    cubin_path = _atomic_write(folder / f"{key}.cubin", cubin)
     meta = {"name": spec.name, "registers": registers, "spill_bytes": spills, "compile_ms": compile_ms, "log": log}
-    _atomic_write(folder / f"{key}.json", json.dumps(meta, indent=1).encode())
+    cubin_path = folder / f"{key}.cubin"
+    # The cubin before its metadata: a reader that finds the metadata finds the cubin too.
+    _write_cache_files(folder, [(cubin_path, cubin),
+                                (folder / f"{key}.json", json.dumps(meta, indent=1).encode())])
     return CompileResult(spec, source, cubin, registers, spills, compile_ms, log, source_path, cubin_path)
 
 
@@ -167,7 +224,7 @@ def _read_disk_cache(folder: Path, key: str, spec, source: str, stem: str) -> Co
         cubin = cubin_path.read_bytes()
     except (OSError, ValueError):
         return None
-    source_path = folder / "src" / f"{stem}.cu"
+    source_path = folder / _source_dir(key) / f"{stem}.cu"
     return CompileResult(spec, source, cubin, meta.get("registers"), meta.get("spill_bytes"),
                          float(meta.get("compile_ms", 0.0)), meta.get("log", ""),
                          source_path if source_path.exists() else None, cubin_path, cached=True)
@@ -182,16 +239,38 @@ def parse_ptxas_log(log: str) -> tuple[int | None, int | None]:
     return registers, spill_bytes
 
 
-def _write_source(folder: Path, stem: str, source: str, headers: dict[str, str]) -> Path | None:
-    """Keep the rendered program (and its headers) on disk, so a failure can point at it."""
-    src = folder / "src"
+def _source_dir(key: str) -> Path:
+    """Where a program's source and headers are kept, relative to the cache: one folder per cache
+    key, so programs of the same name (two splitkv versions sharing a cache) never overwrite each
+    other's."""
+    return Path("src") / key
+
+
+def _write_cache_files(folder: Path, files: list[tuple[Path, bytes]]) -> None:
+    """Write ``files`` (paths under the cache ``folder``) in order. Any OSError becomes a
+    CacheDirError naming the folder: nothing compiled can be loaded from a cache that cannot be
+    written."""
     try:
-        src.mkdir(parents=True, exist_ok=True)
-        for name, text in headers.items():
-            _atomic_write(src / name, text.encode())
-        return _atomic_write(src / f"{stem}.cu", source.encode())
-    except OSError:
-        return None
+        for path, data in files:
+            _atomic_write(path, data)
+    except OSError as exc:
+        raise CacheDirError(folder, exc) from exc
+
+
+def _file_mode() -> int:
+    """0o666 less the umask: the mode open() would give a new file (mkstemp gives 0o600, which
+    other users of a shared cache could not read)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    # Setting the umask to read it is visible to other threads for an instant; hence the file above.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _atomic_write(path: Path, data: bytes) -> Path:
@@ -200,6 +279,8 @@ def _atomic_write(path: Path, data: bytes) -> Path:
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
+            if hasattr(os, "fchmod"):  # POSIX (and Windows from Python 3.13, where it sets only read-only)
+                os.fchmod(handle.fileno(), _file_mode())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -59,11 +59,13 @@ class DecodeAttention:
 
     ``spec`` overrides the built-in CTA shape of both programs (its variant is ignored: the planner
     chooses); ``dense_spec`` then overrides the dense program's alone, e.g. for tuning them apart.
+    ``device``: the CUDA device it runs on (default: CuPy's current device when it is built);
+    plan() and run() switch to it, whatever device is current when they are called.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: str = "bf16",
                  kv_dtype: str = "bf16", sm_scale: float | None = None, spec: KernelSpec | None = None,
-                 dense_spec: KernelSpec | None = None):
+                 dense_spec: KernelSpec | None = None, device: int | None = None):
         import cupy
 
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -79,7 +81,7 @@ class DecodeAttention:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group_size = num_qo_heads // num_kv_heads
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-        device = cupy.cuda.Device()
+        device = cupy.cuda.Device(device)  # None: CuPy's current device
         self.device = device.id
         self.arch = "sm_" + device.compute_capability
         self.num_sms = device.attributes["MultiProcessorCount"]
@@ -119,7 +121,7 @@ class DecodeAttention:
         ``torch.cuda.current_stream()``.
         """
         on_device = tensors.is_device_array(seq_lens)
-        with _stream(tensors.stream_ptr(seq_lens if on_device else None, stream)):
+        with _on_device(self.device), _stream(tensors.stream_ptr(seq_lens if on_device else None, stream)):
             return self._plan(seq_lens, max_len, variant, num_splits)
 
     def _plan(self, seq_lens, max_len, variant, num_splits) -> SplitPlan:
@@ -286,7 +288,7 @@ class DecodeAttention:
             view = (rows, self.num_kv_heads * self.head_dim, spec.kv_elem_bytes, spec.tile_tokens)
             (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(base, *view) for base in bases)
             maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
-        with _stream(tensors.stream_ptr(q, stream)):
+        with _on_device(self.device), _stream(tensors.stream_ptr(q, stream)):
             launch.decode_fn(
                 launch.grid, (spec.threads,),
                 (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
@@ -365,18 +367,20 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
     seq_lens = tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
     import cupy
 
-    with cupy.cuda.Device(qi.device if qi.device is not None else cupy.cuda.Device().id):
+    device = qi.device if qi.device is not None else cupy.cuda.Device().id
+    with cupy.cuda.Device(device):
         launch_stream = tensors.stream_ptr(qi, stream)
         # One instance (so one workspace) per device and stream: kernels that may overlap on the
         # GPU never share partials, counters or lengths; calls on one stream run in order, and
         # the lock keeps each call's plan and run together on the host.
-        key = (qi.device, launch_stream, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
+        key = (device, launch_stream, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
                shapes.q_dtype, shapes.kv_dtype, sm_scale)
         with _instances_lock:
             attn = _instances.get(key)
             if attn is None:
                 attn = DecodeAttention(shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
-                                       q_dtype=shapes.q_dtype, kv_dtype=shapes.kv_dtype, sm_scale=sm_scale)
+                                       q_dtype=shapes.q_dtype, kv_dtype=shapes.kv_dtype, sm_scale=sm_scale,
+                                       device=device)
                 _instances[key] = attn
                 while len(_instances) > _MAX_INSTANCES:
                     _instances.popitem(last=False)  # its kernels still run; CuPy frees its memory after them
@@ -442,6 +446,19 @@ def _new_output(q, *, lse: bool = False):
 _CUPY_CARRIERS = {"bf16": np.uint16, "fp16": np.float16}
 
 _streams: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def _on_device(ordinal: int):
+    """CUDA device ``ordinal`` current for the block (its programs, workspace and streams live
+    there); nothing is switched when it already is, the common case on a launch's path."""
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == ordinal:
+        yield
+    else:
+        with cupy.cuda.Device(ordinal):
+            yield
 
 
 @contextlib.contextmanager

@@ -55,23 +55,28 @@ def fake_gpu(monkeypatch):
     from splitkv import tensor_map
     from splitkv.codegen import load, occupancy
 
-    record = types.SimpleNamespace(launches=[], maps=[], loads=[])
+    record = types.SimpleNamespace(launches=[], maps=[], loads=[], current=0)
 
     class Device(contextlib.AbstractContextManager):
+        """Two GPUs; entering one makes it current until the block ends."""
         compute_capability = "90"
         attributes = {"MultiProcessorCount": 132}
 
         def __init__(self, ordinal=None):
-            self.id = 0 if ordinal is None else ordinal
+            self.id = record.current if ordinal is None else ordinal
+
+        def __enter__(self):
+            self._previous, record.current = record.current, self.id
+            return self
 
         def __exit__(self, *exc):
-            return None
+            record.current = self._previous
 
     def load_kernel(spec, source=None):
-        record.loads.append(spec)
+        record.loads.append((spec, record.current))
 
         def launch(grid, block, args, shared_mem=0):
-            record.launches.append(types.SimpleNamespace(spec=spec, grid=grid, args=args))
+            record.launches.append(types.SimpleNamespace(spec=spec, grid=grid, args=args, device=record.current))
         return launch, types.SimpleNamespace(registers=96)
 
     def encode(ptr, rows, cols, elem_bytes, box_rows):
@@ -85,6 +90,7 @@ def fake_gpu(monkeypatch):
         raise AssertionError(f"unexpected array {x!r}")
 
     monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: record.current)
     monkeypatch.setattr(cupy, "zeros", lambda size, dtype: _Buffer(size, dtype))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype: _DeviceArray(shape, np.dtype(dtype).str))
     monkeypatch.setattr(load, "load_kernel", load_kernel)
@@ -159,3 +165,35 @@ def test_dense_plans_do_not_need_the_split_chunk_in_whole_dense_tiles(fake_gpu):
     attn = runtime.DecodeAttention(32, 8, 128, spec=split, dense_spec=dense)
     plan = attn.plan([10, 5], variant="dense")
     assert plan.variant == "dense" and attn._launch.spec == dense
+
+
+def test_plan_and_run_switch_to_the_device_of_the_instance(fake_gpu):
+    # A torch caller on GPU 1 may leave CuPy's current device at 0: the programs must still be
+    # loaded and launched on the instance's device, and the caller's device given back.
+    attn = runtime.DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16", device=1)
+    assert fake_gpu.current == 0
+    attn.plan([5, 9])
+    assert {device for _, device in fake_gpu.loads} == {1}
+    q, k, v = _qkv(2, 8, 2, 128, 16)
+    attn.run(q, k, v)
+    assert [launch.device for launch in fake_gpu.launches] == [1]
+    assert fake_gpu.current == 0
+
+
+def test_decode_keys_its_instances_by_the_resolved_device(fake_gpu):
+    # Bare __cuda_array_interface__ inputs name no device: the current one is theirs.
+    q, k, v = _qkv(1, 8, 2, 128, 16)
+    runtime.decode(q, k, v)
+    with _current(fake_gpu, 1):
+        runtime.decode(q, k, v)
+    assert sorted(key[0] for key in runtime._instances) == [0, 1]
+    assert [launch.device for launch in fake_gpu.launches] == [0, 1]
+
+
+@contextlib.contextmanager
+def _current(record, ordinal):
+    previous, record.current = record.current, ordinal
+    try:
+        yield
+    finally:
+        record.current = previous

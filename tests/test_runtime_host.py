@@ -134,6 +134,7 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
         return buffer
 
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: Device())
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: Device.id)  # already on its device
     monkeypatch.setattr(tensor_map, "encode", fake_encode)
     monkeypatch.setattr(runtime, "_stream", lambda ptr: contextlib.nullcontext())
     launched = []

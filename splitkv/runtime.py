@@ -267,10 +267,17 @@ class DecodeAttention:
         launch = self._launch
         if launch is None:
             raise RuntimeError("run() before plan(): call plan(seq_lens) first")
-        if out is None:
-            out = _new_output(q)
-        if return_lse and lse is None:
-            lse = _new_output(q, lse=True)
+        launch_stream = tensors.stream_ptr(q, stream)
+        with _on_device(self.device), _stream(launch_stream):
+            # Allocated on the launch stream: a pool hands the block out again only after this launch.
+            if out is None:
+                out = _new_output(q, stream=launch_stream)
+            if return_lse and lse is None:
+                lse = _new_output(q, lse=True, stream=launch_stream)
+            self._launch_on_current_stream(launch, q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _launch_on_current_stream(self, launch: _Launch, q, k, v, out, lse) -> None:
         arrays = (q, k, v, out, lse)
         layout = tuple(_layout(x) for x in arrays)
         if None in layout or layout != self._validated_layout:
@@ -288,23 +295,21 @@ class DecodeAttention:
             view = (rows, self.num_kv_heads * self.head_dim, spec.kv_elem_bytes, spec.tile_tokens)
             (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(base, *view) for base in bases)
             maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
-        with _on_device(self.device), _stream(tensors.stream_ptr(q, stream)):
-            launch.decode_fn(
-                launch.grid, (spec.threads,),
-                (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
-                 np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
-                 np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps),
-                shared_mem=spec.smem_bytes)
-            del map_bytes  # held until the launch has copied the maps
-            if launch.merge_fn is not None:
-                rows = launch.batch * self.num_qo_heads
-                warps = _MERGE_THREADS // 32
-                launch.merge_fn(
-                    ((rows + warps - 1) // warps,), (_MERGE_THREADS,),
-                    (*launch.workspace_ptrs[:2], launch.seq_lens_ptr, out_ptr, lse_ptr, np.int32(launch.batch),
-                     np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split),
-                     np.int32(cache_len)))
-        return (out, lse) if return_lse else out
+        launch.decode_fn(
+            launch.grid, (spec.threads,),
+            (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
+             np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
+             np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps),
+            shared_mem=spec.smem_bytes)
+        del map_bytes  # held until the launch has copied the maps
+        if launch.merge_fn is not None:
+            rows = launch.batch * self.num_qo_heads
+            warps = _MERGE_THREADS // 32
+            launch.merge_fn(
+                ((rows + warps - 1) // warps,), (_MERGE_THREADS,),
+                (*launch.workspace_ptrs[:2], launch.seq_lens_ptr, out_ptr, lse_ptr, np.int32(launch.batch),
+                 np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split),
+                 np.int32(cache_len)))
 
     def _validate(self, arrays) -> None:
         q, k, v, out, lse = arrays
@@ -335,6 +340,8 @@ class DecodeAttention:
 #: only the last few layouts and streams are kept.
 _instances: OrderedDict[tuple, DecodeAttention] = OrderedDict()
 _MAX_INSTANCES = 16
+#: cudaStreamPerThread: the handle of the calling thread's own default stream.
+_PER_THREAD_STREAM = 2
 _instances_lock = threading.Lock()
 
 
@@ -373,7 +380,9 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
         # One instance (so one workspace) per device and stream: kernels that may overlap on the
         # GPU never share partials, counters or lengths; calls on one stream run in order, and
         # the lock keeps each call's plan and run together on the host.
-        key = (device, launch_stream, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
+        # The per-thread default stream has one handle in every thread, but is a stream per thread.
+        thread = threading.get_ident() if launch_stream == _PER_THREAD_STREAM else None
+        key = (device, launch_stream, thread, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
                shapes.q_dtype, shapes.kv_dtype, sm_scale)
         with _instances_lock:
             attn = _instances.get(key)
@@ -428,17 +437,28 @@ def _data_ptr(x) -> int:
     return tensors.describe(x, "array").ptr
 
 
-def _new_output(q, *, lse: bool = False):
+def _new_output(q, *, lse: bool = False, stream: int | None = None):
     """An uninitialised out [B, Hq, D] in q's dtype (or lse [B, Hq] in float32) on q's device:
-    from torch's allocator for torch tensors, else from CuPy's (bf16 as uint16, CuPy's carrier)."""
+    from torch's allocator for torch tensors (on ``stream`` when it is not torch's current one),
+    else from CuPy's, on CuPy's current stream (a CuPy q's own dtype; for other arrays bf16 as
+    uint16, CuPy's carrier)."""
     if type(q).__module__.startswith("torch"):
         import torch
 
-        return torch.empty(q.shape[:2] if lse else q.shape, dtype=torch.float32 if lse else q.dtype, device=q.device)
+        shape, dtype = (q.shape[:2], torch.float32) if lse else (q.shape, q.dtype)
+        if stream is None or stream == torch.cuda.current_stream(q.device).cuda_stream:
+            return torch.empty(shape, dtype=dtype, device=q.device)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=q.device)):
+            return torch.empty(shape, dtype=dtype, device=q.device)
     import cupy
 
     info = tensors.describe(q, "q", bf16_from_uint16=True)
-    dtype = cupy.float32 if lse else _CUPY_CARRIERS.get(info.dtype, cupy.float16)  # a bad q fails validation
+    if lse:
+        dtype = cupy.float32
+    elif type(q).__module__.startswith("cupy"):
+        dtype = q.dtype  # uint16, float16, or ml_dtypes' bfloat16: whatever the caller keeps bf16 in
+    else:
+        dtype = _CUPY_CARRIERS.get(info.dtype, cupy.float16)  # a bad q fails validation
     with cupy.cuda.Device(info.device if info.device is not None else cupy.cuda.Device().id):
         return cupy.empty(info.shape[:2] if lse else info.shape, dtype=dtype)
 

@@ -55,7 +55,7 @@ def fake_gpu(monkeypatch):
     from splitkv import tensor_map
     from splitkv.codegen import load, occupancy
 
-    record = types.SimpleNamespace(launches=[], maps=[], loads=[], current=0)
+    record = types.SimpleNamespace(launches=[], maps=[], loads=[], current=0, stream=0, allocations=[])
 
     class Device(contextlib.AbstractContextManager):
         """Two GPUs; entering one makes it current until the block ends."""
@@ -92,13 +92,25 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: record.current)
     monkeypatch.setattr(cupy, "zeros", lambda size, dtype: _Buffer(size, dtype))
-    monkeypatch.setattr(cupy, "empty", lambda shape, dtype: _DeviceArray(shape, np.dtype(dtype).str))
+    def empty(shape, dtype):
+        record.allocations.append((tuple(shape), np.dtype(dtype).str, record.stream))
+        return _DeviceArray(shape, np.dtype(dtype).str)
+
+    @contextlib.contextmanager
+    def current_stream(ptr):
+        previous, record.stream = record.stream, ptr
+        try:
+            yield
+        finally:
+            record.stream = previous
+
+    monkeypatch.setattr(cupy, "empty", empty)
     monkeypatch.setattr(load, "load_kernel", load_kernel)
     monkeypatch.setattr(occupancy, "max_active_clusters", lambda function, cluster, threads, smem: 132 // cluster)
     monkeypatch.setattr(tensor_map, "encode", encode)
     monkeypatch.setattr(tensors, "to_cupy", to_cupy)
-    monkeypatch.setattr(tensors, "stream_ptr", lambda like, stream=None: 0)
-    monkeypatch.setattr(runtime, "_stream", lambda ptr: contextlib.nullcontext())
+    monkeypatch.setattr(tensors, "stream_ptr", lambda like, stream=None: 0 if stream is None else int(stream))
+    monkeypatch.setattr(runtime, "_stream", current_stream)
     monkeypatch.setattr(runtime, "_instances", type(runtime._instances)())
     return record
 
@@ -154,7 +166,7 @@ def test_decode_keeps_a_bounded_number_of_instances(fake_gpu):
             runtime.decode(*_qkv(1, 2 * num_kv_heads, num_kv_heads, head_dim, 64))
     assert len(runtime._instances) == runtime._MAX_INSTANCES
     last = next(reversed(runtime._instances))
-    assert last[2:5] == (24, 12, 128)  # the most recent layout is kept
+    assert last[3:6] == (24, 12, 128)  # the most recent layout (num_qo_heads, num_kv_heads, head_dim) is kept
 
 
 def test_dense_plans_do_not_need_the_split_chunk_in_whole_dense_tiles(fake_gpu):
@@ -197,3 +209,37 @@ def _current(record, ordinal):
         yield
     finally:
         record.current = previous
+
+
+def test_run_allocates_its_outputs_on_the_launch_stream(fake_gpu):
+    # A pool may hand a block out again once its stream has passed the free: the block must belong
+    # to the stream the kernel writes it on, not to whatever stream was current.
+    attn = runtime.DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16")
+    attn.plan([5, 9], stream=77)
+    attn.run(*_qkv(2, 8, 2, 128, 16), return_lse=True, stream=77)
+    assert [(shape, stream) for shape, _, stream in fake_gpu.allocations] == [((2, 8, 128), 77), ((2, 8), 77)]
+
+
+def test_decode_gives_each_thread_its_own_instance_on_the_per_thread_stream(fake_gpu):
+    # cudaStreamPerThread (handle 2) is one handle but a different stream in every thread: threads
+    # must not share a workspace whose kernels may overlap.
+    import threading
+
+    q, k, v = _qkv(1, 8, 2, 128, 16)
+    runtime.decode(q, k, v, stream=runtime._PER_THREAD_STREAM)
+    worker = threading.Thread(target=runtime.decode, args=(q, k, v), kwargs={"stream": runtime._PER_THREAD_STREAM})
+    worker.start()
+    worker.join()
+    runtime.decode(q, k, v, stream=5)
+    runtime.decode(q, k, v, stream=5)
+    assert len(runtime._instances) == 3  # two threads on the per-thread stream, one stream 5
+
+
+def test_outputs_of_a_cupy_q_keep_its_dtype(fake_gpu):
+    # bf16 kept as ml_dtypes' bfloat16 (or as uint16) comes back in the same dtype.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from tests.test_inputs import cupy_view
+
+    for dtype in (ml_dtypes.bfloat16, np.uint16, np.float16):
+        out = runtime._new_output(cupy_view((2, 8, 128), dtype))
+        assert out.__cuda_array_interface__["typestr"] == np.dtype(dtype).str

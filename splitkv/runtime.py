@@ -392,7 +392,10 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
                                        device=device)
                 _instances[key] = attn
                 while len(_instances) > _MAX_INSTANCES:
-                    _instances.popitem(last=False)  # its kernels still run; CuPy frees its memory after them
+                    # Its kernels may still run: its workspace goes back to CuPy's pool, which hands
+                    # a block out again only to work on the same stream (plan and run share it
+                    # here), so after those kernels.
+                    _instances.popitem(last=False)
             _instances.move_to_end(key)
             attn.plan(seq_lens, stream=launch_stream)
             return attn.run(q, k, v, out=out, return_lse=return_lse, stream=launch_stream)

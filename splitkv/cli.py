@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -226,12 +225,12 @@ def _compile_all(specs, jobs: int, codegen):
 def _prepare_emit_dir(parser, directory: Path) -> None:
     """Create --emit's folder and check it can be written before compiling, so that a bad path is a
     usage error at once rather than a traceback after every kernel has been built."""
+    from splitkv.codegen.compile import make_writable_folder
+
     if directory.exists() and not directory.is_dir():
         parser.error(f"--emit: {directory} exists and is not a folder")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
+        make_writable_folder(directory)
     except OSError as e:
         parser.error(f"--emit: cannot write to {directory}: {e.strerror or e}")
 

@@ -7,7 +7,7 @@ the planner needs, computed from the compiled kernel's registers and shared memo
 
 from __future__ import annotations
 
-from .spec import ARCHS, KernelSpec, arch_number, rows_fit_tma_boxes
+from .spec import ARCHS, KernelSpec, SharedMemoryError, arch_number, rows_fit_tma_boxes
 
 #: 32-bit registers per SM (the same from sm_80 through sm_120).
 _REGISTERS_PER_SM = 65536
@@ -55,9 +55,8 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     for candidate in dict.fromkeys(candidates):  # in order, without repeats
         try:
             return shape(*candidate)
-        except ValueError as exc:
-            if "shared memory" not in str(exc):
-                raise
+        except SharedMemoryError:
+            continue
     return shape(*candidates[-1])  # raises, naming the shared memory even the smallest ring needs
 
 

@@ -232,12 +232,8 @@ class DecodeAttention:
         if seq_lens is None:
             raise ValueError("seq_lens: plan() needs the lengths (host ints or a device int32 array)")
         if tensors.is_device_array(seq_lens):
-            info = tensors.describe(seq_lens, "seq_lens")
-            tensors.check_seq_lens(info, info.shape[0] if info.ndim == 1 else -1, 0)  # int32, 1-D
-            if info.device is not None and info.device != self.device:
-                raise ValueError(f"seq_lens: on CUDA device {info.device}, but this DecodeAttention "
-                                 f"runs on device {self.device}")
-            seq_lens = tensors.to_cupy(seq_lens).get()  # the one synchronisation of plan()
+            # the one synchronisation of plan()
+            seq_lens = _read_back_lengths(seq_lens, None, self.device, "this DecodeAttention runs on")
         host = np.asarray(seq_lens)
         if host.ndim != 1 or host.size == 0:
             raise ValueError(f"seq_lens: expected a non-empty 1-D sequence of lengths, got shape {host.shape}")
@@ -316,9 +312,8 @@ class DecodeAttention:
         infos = [tensors.describe(x, name, bf16_from_uint16=True) for x, name in zip(arrays[:4], "q k v out".split())]
         lse_info = tensors.describe(lse, "lse") if lse is not None else None
         for name, info in zip("q k v out lse".split(), (*infos, lse_info)):
-            if info is not None and info.device is not None and info.device != self.device:
-                raise ValueError(f"{name}: on CUDA device {info.device}, but this DecodeAttention "
-                                 f"runs on device {self.device}")
+            if info is not None:
+                _check_device(name, info, self.device, "this DecodeAttention runs on")
         shapes = tensors.check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info)
         self._check_against_plan(shapes, self._launch)
 
@@ -366,11 +361,7 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
         # Read back here (decode() plans on every call anyway), so that the lengths are checked
         # against this batch and cache like host ones, and the plan keeps its own copy rather than
         # the caller's array.
-        info = tensors.describe(seq_lens, "seq_lens")
-        tensors.check_seq_lens(info, shapes.batch, shapes.max_len)  # int32, [batch], contiguous
-        if info.device is not None and qi.device is not None and info.device != qi.device:
-            raise ValueError(f"seq_lens: on CUDA device {info.device}, but q is on device {qi.device}")
-        seq_lens = tensors.to_cupy(seq_lens).get()
+        seq_lens = _read_back_lengths(seq_lens, shapes.batch, qi.device, "q is on")
     seq_lens = tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
     import cupy
 
@@ -402,6 +393,22 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+def _check_device(name: str, info: tensors.TensorInfo, device: int | None, owner: str) -> None:
+    """ValueError naming ``name`` when it is on another device than ``device`` (None: unknown)."""
+    if info.device is not None and device is not None and info.device != device:
+        raise ValueError(f"{name}: on CUDA device {info.device}, but {owner} device {device}")
+
+
+def _read_back_lengths(seq_lens, batch: int | None, device: int | None, owner: str) -> np.ndarray:
+    """Device lengths (int32, contiguous, ``batch`` of them; None: any 1-D count) on ``device``,
+    read back to the host; their values are checked by the caller."""
+    info = tensors.describe(seq_lens, "seq_lens")
+    count = batch if batch is not None else (info.shape[0] if info.ndim == 1 else -1)
+    tensors.check_seq_lens(info, count, 0)  # type, shape and strides only: the values are still on the device
+    _check_device("seq_lens", info, device, owner)
+    return tensors.to_cupy(seq_lens).get()
+
+
 def _empty_results(q, qi, ki, vi, out, return_lse):
     """decode() of an empty batch: out (given or new) and lse of batch 0, validated as usual."""
     if out is None:

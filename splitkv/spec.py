@@ -55,6 +55,9 @@ TILE_COUNTER_STRIDE = 32
 MMA_M = ("heads", "tokens")
 
 
+class SharedMemoryError(ValueError):
+    """A CTA shape needs more shared memory than its arch gives a CTA."""
+
 
 @dataclass(frozen=True)
 class ArchLimits:
@@ -198,7 +201,7 @@ class KernelSpec:
                              "steal_tiles=0 and kv_copy='cp_async'")
         limit = ARCHS[arch_number(self.arch)].smem_per_cta
         if self.smem_bytes + self.static_smem_bytes > limit:
-            raise ValueError(
+            raise SharedMemoryError(
                 f"CTA shape needs {self.smem_bytes} bytes of shared memory (warps={self.warps} x "
                 f"stages={self.stages} x tile_tokens={self.tile_tokens} x head_dim={self.head_dim}); "
                 f"{self.arch} allows {limit}")

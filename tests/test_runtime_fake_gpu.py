@@ -14,18 +14,19 @@ import pytest
 
 from splitkv import runtime, tensors
 from splitkv.heuristics import default_spec
+from tests.test_inputs import FakeCAI
 
 _addresses = itertools.count(0x7E00_0000_0000, 1 << 24)
 
 
-class _DeviceArray:
-    """A device array as far as the runtime sees one: an interface, a pointer, host values."""
+class _DeviceArray(FakeCAI):
+    """A device array as far as the runtime sees one: an interface at a fresh address, a shape,
+    and (for lengths) the values a read-back returns."""
 
     def __init__(self, shape, typestr="<f2", values=None):
+        super().__init__(shape, typestr, ptr=next(_addresses))
         self.shape = tuple(shape)
         self.host = None if values is None else np.asarray(values, dtype=np.int32)
-        self.__cuda_array_interface__ = {"version": 3, "shape": self.shape, "typestr": typestr,
-                                         "data": (next(_addresses), False), "strides": None}
 
     def get(self):
         return self.host.copy()

@@ -126,14 +126,19 @@ def check_compiler() -> None:
     cuda_include_dirs()
 
 
+def make_writable_folder(folder: Path) -> None:
+    """Create ``folder`` if needed and check that files can be written in it (OSError otherwise):
+    a probe file, because mkdir succeeds on a folder that exists but cannot be written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=folder):
+        pass
+
+
 def ensure_cache_dir() -> Path:
     """The cache folder, created if needed and checked writable; CacheDirError if it is not."""
     folder = cache_dir()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        # A probe file, because mkdir succeeds on a folder that exists but cannot be written.
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        make_writable_folder(folder)
     except OSError as exc:
         raise CacheDirError(folder, exc) from exc
     return folder

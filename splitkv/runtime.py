@@ -4,13 +4,13 @@
 dense or split and the cluster size, compiles (or loads from the cache) the programs and sizes the
 workspace. The workspace is reused by later plans, so a CUDA graph captured after one plan must be
 captured again after the next.
-``run()`` only reads array metadata and enqueues one or two kernels on the caller's stream, so it
-can be captured in a CUDA graph and replayed.
+``run()`` only reads array metadata and enqueues one or two kernels on the caller's stream (after
+an event wait when the plan was made on another stream), so it can be captured in a CUDA graph
+and replayed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import numbers
@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import tensors
+from . import streams, tensors
 from .heuristics import default_spec, resident_ctas_per_sm
 from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan
 from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
@@ -104,6 +104,8 @@ class DecodeAttention:
         self._cluster_fit: dict[int, int | None] = {}
         self._workspace: dict[str, object] = {}
         self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
+        self._order = streams.StreamOrder()  # plan() and run() on different streams
+        self._producer_events: dict[int, object] = {}  # streams named by inputs' interfaces
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
     def plan(self, seq_lens, max_len: int | None = None, *, variant: str | None = None,
@@ -114,15 +116,19 @@ class DecodeAttention:
         given, bounds the lengths; for a device ``seq_lens`` the plan also covers it, so lengths
         rewritten in place may grow up to it between CUDA-graph replays. ``variant`` (and
         ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning.
-        ``stream``: the stream run() will launch on (a CuPy or torch stream, or a handle); the
-        lengths and the zeroed counters are written there, so they are ordered with the kernels of
-        earlier and later steps. Default: torch's current stream for a torch ``seq_lens``, else
-        CuPy's current stream; torch callers with host lengths should pass
-        ``torch.cuda.current_stream()``.
+        ``stream``: where the lengths and the zeroed counters are written (a CuPy or torch stream,
+        or a handle). Default: torch's current stream for a torch ``seq_lens``, else CuPy's current
+        stream. run() may launch on another stream: the GPU then orders its first launch there
+        after these writes, and this plan's writes after the earlier launches of run() on other
+        streams (events; the host does not wait). Passing the stream run() will use costs nothing.
         """
         on_device = tensors.is_device_array(seq_lens)
-        with _on_device(self.device), _stream(tensors.stream_ptr(seq_lens if on_device else None, stream)):
-            return self._plan(seq_lens, max_len, variant, num_splits)
+        plan_stream = tensors.stream_ptr(seq_lens if on_device else None, stream)
+        with streams.on_device(self.device), streams.use_stream(plan_stream):
+            self._order.before_plan(plan_stream)  # runs on other streams still read the workspace
+            plan = self._plan(seq_lens, max_len, variant, num_splits)
+            self._order.planned(plan_stream)
+        return plan
 
     def _plan(self, seq_lens, max_len, variant, num_splits) -> SplitPlan:
         from .codegen.load import load_kernel
@@ -264,20 +270,25 @@ class DecodeAttention:
         if launch is None:
             raise RuntimeError("run() before plan(): call plan(seq_lens) first")
         launch_stream = tensors.stream_ptr(q, stream)
-        with _on_device(self.device), _stream(launch_stream):
+        with streams.on_device(self.device), streams.use_stream(launch_stream):
+            self._order.before_run(launch_stream)  # after the plan's writes, when on another stream
             # Allocated on the launch stream: a pool hands the block out again only after this launch.
             if out is None:
                 out = _new_output(q, stream=launch_stream)
             if return_lse and lse is None:
                 lse = _new_output(q, lse=True, stream=launch_stream)
-            self._launch_on_current_stream(launch, q, k, v, out, lse)
+            self._launch_on_current_stream(launch, q, k, v, out, lse, launch_stream)
+            self._order.after_run(launch_stream)  # before the next plan's writes, when on another stream
         return (out, lse) if return_lse else out
 
-    def _launch_on_current_stream(self, launch: _Launch, q, k, v, out, lse) -> None:
+    def _launch_on_current_stream(self, launch: _Launch, q, k, v, out, lse, launch_stream: int) -> None:
         arrays = (q, k, v, out, lse)
         layout = tuple(_layout(x) for x in arrays)
         if None in layout or layout != self._validated_layout:
-            self._validate(arrays)
+            # Arrays known only by their interface are validated on every call, and their
+            # producers' streams (the interface's 'stream') waited for.
+            for producer in self._validate(arrays):
+                streams.wait_for_producer(producer, launch_stream, self._producer_events)
             self._validated_layout = None if None in layout else layout
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(_data_ptr(x)) for x in arrays)
 
@@ -307,7 +318,8 @@ class DecodeAttention:
                  np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split),
                  np.int32(cache_len)))
 
-    def _validate(self, arrays) -> None:
+    def _validate(self, arrays) -> list:
+        """Checks the run's arrays; returns the streams their producers named (interface 'stream')."""
         q, k, v, out, lse = arrays
         infos = [tensors.describe(x, name, bf16_from_uint16=True) for x, name in zip(arrays[:4], "q k v out".split())]
         lse_info = tensors.describe(lse, "lse") if lse is not None else None
@@ -316,6 +328,7 @@ class DecodeAttention:
                 _check_device(name, info, self.device, "this DecodeAttention runs on")
         shapes = tensors.check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info)
         self._check_against_plan(shapes, self._launch)
+        return [info.stream for info in (*infos, lse_info) if info is not None and info.stream is not None]
 
     def _check_against_plan(self, shapes: tensors.DecodeShapes, launch: _Launch) -> None:
         expected = (launch.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim,
@@ -474,51 +487,3 @@ def _new_output(q, *, lse: bool = False, stream: int | None = None):
 
 
 _CUPY_CARRIERS = {"bf16": np.uint16, "fp16": np.float16}
-
-_streams: dict[tuple, object] = {}
-
-
-@contextlib.contextmanager
-def _on_device(ordinal: int):
-    """CUDA device ``ordinal`` current for the block (its programs, workspace and streams live
-    there); nothing is switched when it already is, the common case on a launch's path."""
-    import cupy
-
-    if cupy.cuda.runtime.getDevice() == ordinal:
-        yield
-    else:
-        with cupy.cuda.Device(ordinal):
-            yield
-
-
-@contextlib.contextmanager
-def _stream(ptr: int):
-    """Makes the stream with handle ``ptr`` CuPy's current one for the block, then gives back the
-    caller's current stream, whether it was entered with ``with`` or set with ``.use()``.
-
-    The CuPy stream objects are cached per (device, handle) and never dropped: creating one per
-    launch costs host time, handle 0 is a different stream on every device, and a collected one
-    would destroy the caller's stream."""
-    import cupy
-
-    key = (cupy.cuda.Device().id, ptr)
-    stream = _streams.get(key)
-    if stream is None:
-        stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        _streams[key] = stream
-    previous = cupy.cuda.get_current_stream()
-    stream.use()
-    try:
-        yield stream
-    finally:
-        previous.use()
-
-
-class _StreamHandle:
-    """A raw stream handle in the CUDA stream protocol, which CuPy's Stream.from_external takes."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)

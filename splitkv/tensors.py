@@ -49,7 +49,9 @@ class TensorInfo:
 
     ``device`` is the CUDA device ordinal, or None where the array does not say (a bare
     ``__cuda_array_interface__`` carries no device). ``kind`` is 'cupy', 'torch', 'cai' (any other
-    ``__cuda_array_interface__`` object) or 'dlpack'.
+    ``__cuda_array_interface__`` object) or 'dlpack'. From the interface (version 3) come
+    ``stream``, the stream the producer's work on the array was queued on (None: nothing to wait
+    for; 1 and 2 are the legacy and per-thread default streams), and ``readonly``.
     """
 
     ptr: int
@@ -58,6 +60,8 @@ class TensorInfo:
     dtype: str
     device: int | None
     kind: str
+    stream: int | None = None
+    readonly: bool = False
 
     @property
     def ndim(self) -> int:
@@ -127,9 +131,16 @@ def _describe_cai(cai: dict, name: str, bf16_from_uint16: bool) -> TensorInfo:
         raise TypeError(f"{name}: masked arrays are not supported (__cuda_array_interface__ has a mask)")
     shape = tuple(int(n) for n in cai["shape"])
     dtype = _typestr_dtype(cai["typestr"], name)
-    return TensorInfo(ptr=int(cai["data"][0]), shape=shape,
+    data = cai["data"]
+    stream = cai.get("stream")
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int) or stream == 0):
+        # Version 3 forbids 0, which could mean either default stream: 1 is the legacy one.
+        raise ValueError(f"{name}: __cuda_array_interface__ 'stream' must be None or a stream handle other "
+                         f"than 0 (1: legacy default, 2: per-thread default); got {stream!r}")
+    return TensorInfo(ptr=int(data[0]), shape=shape,
                       strides=_cai_element_strides(cai.get("strides"), shape, dtype.itemsize, name),
-                      dtype=_numpy_dtype_name(dtype, bf16_from_uint16), device=None, kind="cai")
+                      dtype=_numpy_dtype_name(dtype, bf16_from_uint16), device=None, kind="cai",
+                      stream=stream, readonly=len(data) > 1 and bool(data[1]))
 
 
 def _typestr_dtype(typestr: str, name: str) -> np.dtype:
@@ -371,7 +382,14 @@ def _check_v(v: TensorInfo, k: TensorInfo) -> None:
         raise TypeError(f"v: expected the dtype of k ({k.dtype}), got {v.dtype}")
 
 
+def _check_writable(info: TensorInfo, name: str) -> None:
+    if info.readonly:
+        raise ValueError(f"{name}: the array is read-only (its __cuda_array_interface__ says so), and the "
+                         f"result is written into it")
+
+
 def _check_out(out: TensorInfo, q: TensorInfo) -> None:
+    _check_writable(out, "out")
     if out.shape != q.shape:
         raise ValueError(f"out: expected the shape of q {q.shape}, got {out.shape}")
     if out.dtype != q.dtype:
@@ -381,6 +399,7 @@ def _check_out(out: TensorInfo, q: TensorInfo) -> None:
 
 
 def _check_lse(lse: TensorInfo, q: TensorInfo) -> None:
+    _check_writable(lse, "lse")
     expected = q.shape[:2]
     if lse.shape != expected:
         raise ValueError(f"lse: expected shape {expected} [batch, num_qo_heads], got {lse.shape}")

@@ -89,6 +89,26 @@ def test_describe_cai_converts_byte_strides_to_elements():
                              device=None, kind="cai")
 
 
+def test_describe_cai_reads_the_producer_stream_and_read_only_flag():
+    x = FakeCAI((2, 3), "<f2")
+    assert (describe(x, "q").stream, describe(x, "q").readonly) == (None, False)
+    x.__cuda_array_interface__.update(stream=0x1234, data=(BASE, True))
+    assert (describe(x, "q").stream, describe(x, "q").readonly) == (0x1234, True)
+
+
+@pytest.mark.parametrize("stream", [0, True, 1.0, "1"])
+def test_describe_cai_rejects_a_stream_the_interface_forbids(stream):
+    x = FakeCAI((2, 3), "<f2")
+    x.__cuda_array_interface__["stream"] = stream
+    with raises_naming(ValueError, "q", "'stream' must be None or a stream handle"):
+        describe(x, "q")
+
+
+def test_read_only_inputs_are_fine():
+    q, k, v = (dataclasses.replace(x, readonly=True) for x in qkv())
+    assert check_decode_inputs(q, k, v).batch == B
+
+
 def test_describe_cai_without_strides_is_c_contiguous():
     got = describe(FakeCAI((5, 6, 7), "<f4"), "lse")
     assert got.strides == (42, 7, 1)
@@ -374,6 +394,7 @@ BAD_OUT = [
     (info((B, HQ, D), ptr=BASE + 4), ValueError, "aligned"),
     (info((B, HQ, D), device=2), ValueError, "got device 2"),
     (FakeCAI((B, HQ, D)), TypeError, "TensorInfo"),
+    (dataclasses.replace(info((B, HQ, D)), readonly=True), ValueError, "read-only"),
 ]
 
 
@@ -390,6 +411,7 @@ BAD_LSE = [
     (info((B, HQ), "fp32", strides=(1, B)), ValueError, "contiguous"),
     (info((B, HQ), "fp32", device=1), ValueError, "got device 1"),
     (FakeCAI((B, HQ), "<f4"), TypeError, "TensorInfo"),
+    (dataclasses.replace(info((B, HQ), "fp32"), readonly=True), ValueError, "read-only"),
 ]
 
 

@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from splitkv import runtime, tensors
+from splitkv import runtime, streams, tensors
 from splitkv.heuristics import default_spec
 from tests.test_inputs import FakeCAI
 
@@ -111,7 +111,14 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(tensor_map, "encode", encode)
     monkeypatch.setattr(tensors, "to_cupy", to_cupy)
     monkeypatch.setattr(tensors, "stream_ptr", lambda like, stream=None: 0 if stream is None else int(stream))
-    monkeypatch.setattr(runtime, "_stream", current_stream)
+    monkeypatch.setattr(streams, "use_stream", current_stream)
+    # Events between streams: which stream waits for which event, by the event's number.
+    events = itertools.count(1)
+    record.event_records, record.event_waits = [], []
+    monkeypatch.setattr(streams, "_new_event", lambda: types.SimpleNamespace(ptr=next(events)))
+    monkeypatch.setattr(streams, "_record", lambda event, ptr: record.event_records.append((event.ptr, ptr)))
+    monkeypatch.setattr(streams, "_wait", lambda ptr, event: record.event_waits.append((ptr, event.ptr)))
+    monkeypatch.setattr(streams, "is_capturing", lambda ptr: False)
     monkeypatch.setattr(runtime, "_instances", type(runtime._instances)())
     return record
 
@@ -244,3 +251,31 @@ def test_outputs_of_a_cupy_q_keep_its_dtype(fake_gpu):
     for dtype in (ml_dtypes.bfloat16, np.uint16, np.float16):
         out = runtime._new_output(cupy_view((2, 8, 128), dtype))
         assert out.__cuda_array_interface__["typestr"] == np.dtype(dtype).str
+
+
+def test_plan_and_run_on_different_streams_are_ordered_on_the_gpu(fake_gpu):
+    # Host lengths planned on CuPy's stream, torch tensors run on torch's: the run's stream waits
+    # for the plan's writes, and the next plan's writes wait for that run.
+    attn = runtime.DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16")
+    q, k, v = _qkv(2, 8, 2, 128, 16)
+    attn.plan([5, 9], stream=5)
+    (plan_event, plan_stream), = fake_gpu.event_records
+    assert plan_stream == 5 and not fake_gpu.event_waits
+    attn.run(q, k, v, stream=7)
+    attn.run(q, k, v, stream=7)
+    assert fake_gpu.event_waits == [(7, plan_event)]  # once: later launches there follow it anyway
+    run_event = fake_gpu.event_records[-1][0]
+    assert fake_gpu.event_records[-1] == (run_event, 7) and run_event != plan_event
+    attn.plan([6, 9], stream=5)
+    assert fake_gpu.event_waits[-1] == (5, run_event)
+    assert len(fake_gpu.launches) == 2
+
+
+def test_run_waits_for_the_stream_an_interface_names(fake_gpu):
+    attn = runtime.DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16")
+    attn.plan([5, 9], stream=7)
+    q, k, v = _qkv(2, 8, 2, 128, 16)
+    k.__cuda_array_interface__["stream"] = 0x4400  # the producer's work on k may still be queued there
+    attn.run(q, k, v, stream=7)
+    (event, producer), = fake_gpu.event_records[1:]
+    assert producer == 0x4400 and fake_gpu.event_waits == [(7, event)]

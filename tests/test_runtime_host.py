@@ -115,6 +115,7 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
     import cupy
 
     import splitkv.runtime as runtime
+    import splitkv.streams as streams
     import splitkv.tensor_map as tensor_map
     from splitkv import DecodeAttention, KernelSpec
     from splitkv.plan import SplitPlan
@@ -140,7 +141,7 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: Device())
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: Device.id)  # already on its device
     monkeypatch.setattr(tensor_map, "encode", fake_encode)
-    monkeypatch.setattr(runtime, "_stream", lambda ptr: contextlib.nullcontext())
+    monkeypatch.setattr(streams, "use_stream", lambda ptr: contextlib.nullcontext())
     launched = []
 
     def decode_fn(grid, block, args, shared_mem):  # reads which cache each map holds, as a launch copies them

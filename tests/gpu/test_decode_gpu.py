@@ -553,3 +553,103 @@ def test_lengths_may_grow_up_to_max_len():
 def test_spec_mismatch_is_refused():
     with pytest.raises(ValueError, match="spec"):
         DecodeAttention(8, 2, 128, spec=KernelSpec(head_dim=64, group_size=4))
+
+
+# ---- streams and devices ----------------------------------------------------------------------------
+_SPIN = cupy.RawKernel(r'''
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}''', "spin")
+
+
+def _busy(stream, ms: float = 100.0):
+    """Keeps ``stream`` busy for about ``ms``: work queued after it there waits that long."""
+    rate_khz = cupy.cuda.Device().attributes["ClockRate"]
+    with stream:
+        _SPIN((1,), (1,), (np.int64(ms * rate_khz),))
+
+
+def test_plan_and_run_on_different_streams_are_ordered():
+    # plan() writes the lengths on one stream, run() launches on another: each must see the
+    # other's work in call order, although a busy kernel holds back the stream that goes first.
+    q, q64 = random_values((2, 8, 128), "bf16", 61)
+    k, k64 = random_values((2, 4000, 2, 128), "bf16", 62)
+    v, v64 = random_values((2, 4000, 2, 128), "bf16", 63)
+    planner, runner = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()  # the inputs were written on the default stream
+    attn = DecodeAttention(8, 2, 128)
+    lens_a, lens_b, lens_c = [4000, 4000], [1500, 3999], [2500, 10]
+    attn.plan(lens_a, stream=planner)
+    attn.run(q, k, v, stream=runner)  # warm: programs loaded, layout validated
+
+    # The run is held back: the next plan must not overwrite its lengths before it reads them.
+    attn.plan(lens_a, stream=planner)
+    _busy(runner)
+    out_a = poisoned((2, 8, 128), "bf16")
+    attn.run(q, k, v, out=out_a, stream=runner)
+    attn.plan(lens_b, stream=planner)
+    assert not runner.done, "the busy kernel ended before the next plan was queued: nothing was tested"
+    runner.synchronize()
+    planner.synchronize()
+
+    # The plan's writes are held back: the run on the other stream must wait for them.
+    _busy(planner)
+    attn.plan(lens_c, stream=planner)
+    out_c = poisoned((2, 8, 128), "bf16")
+    attn.run(q, k, v, out=out_c, stream=runner)
+    assert not planner.done, "the busy kernel ended before the run was queued: nothing was tested"
+    runner.synchronize()
+    for out, lens, label in ((out_a, lens_a, "run before the next plan"), (out_c, lens_c, "run after a held-back plan")):
+        ref_out, _ = reference(q64, k64, v64, lens, 1 / math.sqrt(128))
+        check_close(out, None, ref_out, None, lens, "bf16", f"{label}: {attn.plan_info}")
+
+
+def test_run_waits_for_the_stream_an_interface_names():
+    # An array seen only through __cuda_array_interface__ whose producer still writes it on its
+    # own stream ('stream' in the interface): the kernel must read the finished values.
+    q_old, _ = random_values((2, 8, 128), "bf16", 71)
+    q_new, q64 = random_values((2, 8, 128), "bf16", 72)
+    k, k64 = random_values((2, 3000, 2, 128), "bf16", 73)
+    v, v64 = random_values((2, 3000, 2, 128), "bf16", 74)
+    producer, runner = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    _busy(producer)
+    with producer:
+        q_old[...] = q_new  # lands after the busy kernel
+    shared = InterfaceOnly(q_old)
+    shared.__cuda_array_interface__ = {**q_old.__cuda_array_interface__, "stream": producer.ptr}
+    attn = DecodeAttention(8, 2, 128)
+    lens = [3000, 777]
+    attn.plan(lens, stream=runner)
+    out = poisoned((2, 8, 128), "bf16")
+    attn.run(shared, k, v, out=out, stream=runner)
+    assert not producer.done, "the busy kernel ended before the run was queued: nothing was tested"
+    runner.synchronize()
+    ref_out, _ = reference(q64, k64, v64, lens, 1 / math.sqrt(128))
+    check_close(out, None, ref_out, None, lens, "bf16", "q written on the producer's stream")
+
+
+def test_torch_tensors_on_a_second_gpu():
+    # CuPy's current device stays 0 while the tensors live on GPU 1: decode() and an instance
+    # built for device 1 must compile, plan and launch there.
+    torch = pytest.importorskip("torch")
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    gen = torch.Generator(device="cuda:1").manual_seed(81)
+    q, k, v = (torch.randn(shape, device="cuda:1", generator=gen).to(torch.bfloat16)
+               for shape in ((2, 32, 128), (2, 3000, 8, 128), (2, 3000, 8, 128)))
+    lens = [3000, 1111]
+    assert cupy.cuda.Device().id == 0
+    out = splitkv.decode(q, k, v, lens)
+    attn = DecodeAttention(32, 8, 128, device=1)
+    attn.plan(lens, stream=torch.cuda.current_stream(1))
+    out2 = attn.run(q, k, v)
+    torch.cuda.synchronize(1)
+    assert out.device == q.device and out2.device == q.device and cupy.cuda.Device().id == 0
+    with cupy.cuda.Device(1):
+        ref_out, _ = reference(cupy.asarray(q.double()), cupy.asarray(k.double()), cupy.asarray(v.double()),
+                               lens, 1 / math.sqrt(128))
+        for result, label in ((out, "decode() on GPU 1"), (out2, "DecodeAttention(device=1)")):
+            bits = cupy.asarray(result.view(torch.int16)).view(cupy.uint16)
+            check_close(bits, None, ref_out, None, lens, "bf16", label)

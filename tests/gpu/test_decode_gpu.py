@@ -600,7 +600,17 @@ def test_plan_and_run_on_different_streams_are_ordered():
     attn.run(q, k, v, out=out_c, stream=runner)
     assert not planner.done, "the busy kernel ended before the run was queued: nothing was tested"
     runner.synchronize()
-    for out, lens, label in ((out_a, lens_a, "run before the next plan"), (out_c, lens_c, "run after a held-back plan")):
+
+    # Captured on another stream than the plan's, the wait becomes a node of the graph.
+    attn.plan(lens_b, stream=planner)
+    out_g = poisoned((2, 8, 128), "bf16")
+    runner.begin_capture()
+    attn.run(q, k, v, out=out_g, stream=runner)
+    graph = runner.end_capture()
+    graph.launch(runner)
+    runner.synchronize()
+    for out, lens, label in ((out_a, lens_a, "run before the next plan"), (out_c, lens_c, "run after a held-back plan"),
+                             (out_g, lens_b, "graph captured on the run's stream")):
         ref_out, _ = reference(q64, k64, v64, lens, 1 / math.sqrt(128))
         check_close(out, None, ref_out, None, lens, "bf16", f"{label}: {attn.plan_info}")
 

@@ -13,6 +13,7 @@ same split length and so needs fewer splits.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,22 @@ MAX_WAVES = 2
 #: Largest K/V bytes per split for which `fit_clusters` trades splits for a cluster merge; a
 #: tuning knob, set from measurements on an H200.
 CLUSTER_SPLIT_BYTES = 256 * 1024
+
+#: Whole-row clusters (every row's splits one cluster, merged in shared memory, no global merge)
+#: are taken when rows x cluster size lies in this share of the SMs, however long the rows. On an
+#: H200 (BENCHMARKS.md, f2257a2) 8 K/V heads in clusters of 8 or 9 (64 or 72 CTAs) beat 16 splits
+#: on 128 CTAs with the global merge by 1.2-2.7 µs at 16k-128k and by 13% at 512k, and 16 rows in
+#: clusters of 4 (64 CTAs) beat 8 splits on 128 CTAs; 80 CTAs (clusters of 5) and 96 (3 or 6)
+#: were slower than the global merge. Half the SMs stream the bytes nearly as fast as all of them.
+WHOLE_ROW_SHARE = (0.48, 0.55)
+#: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) lost 0.8% at 32/32 64k.
+MIN_WHOLE_ROW_CLUSTER = 4
+
+
+def whole_row_ctas(num_sms: int) -> tuple[int, int]:
+    """The (fewest, most) CTAs of whole-row clusters `fit_clusters` takes on ``num_sms`` SMs."""
+    low, high = WHOLE_ROW_SHARE
+    return math.ceil(low * num_sms), math.floor(high * num_sms)
 
 
 @dataclass(frozen=True)
@@ -129,8 +146,14 @@ def fixed_plan(seq_lens, num_kv_heads, *, variant, chunk_size, num_splits=None):
 
 
 def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resident_clusters,
-                 kv_bytes_per_token, may_resplit=True, max_split_bytes=CLUSTER_SPLIT_BYTES, multi_cluster=True):
+                 kv_bytes_per_token, may_resplit=True, max_split_bytes=CLUSTER_SPLIT_BYTES, multi_cluster=True,
+                 whole_row_ctas=None):
     """The thread-block cluster size for a split plan, and the plan (possibly with other split counts).
+
+    With ``may_resplit`` and ``whole_row_ctas`` = (fewest, most) CTAs (see `whole_row_ctas`), rows
+    first get one cluster each of any size from `MIN_WHOLE_ROW_CLUSTER` to ``max_cluster`` whose
+    CTAs number that many in all and are all resident: the largest such size, or the split count
+    chunk rounding leaves of it while that is still as many CTAs.
 
     A row's splits merge through distributed shared memory when they form one cluster: the split
     count is a power of two up to ``max_cluster`` and every row's cluster is resident at once
@@ -166,6 +189,17 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
 
     if plan.variant != "split":
         return plan, 1
+    if may_resplit and whole_row_ctas is not None:
+        fewest, most = whole_row_ctas
+        for size in range(min(max_cluster, most // rows), MIN_WHOLE_ROW_CLUSTER - 1, -1):
+            if rows * size < fewest:
+                break
+            if not resident(size, rows):
+                continue
+            candidate = fixed_plan(seq_lens, num_kv_heads, variant="split", chunk_size=chunk_size, num_splits=size)
+            splits = candidate.num_splits  # fewer where the rows are short for `size` chunks
+            if rows * splits >= fewest and splits >= MIN_WHOLE_ROW_CLUSTER and (splits == size or resident(splits, rows)):
+                return candidate, splits
     if fits(plan.num_splits):
         return plan, plan.num_splits
     if may_resplit:  # short splits: fewer, longer ones in one cluster per row

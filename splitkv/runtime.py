@@ -21,7 +21,7 @@ import numpy as np
 
 from . import streams, tensors
 from .heuristics import default_spec, resident_ctas_per_sm
-from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan
+from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan, whole_row_ctas
 from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 
@@ -157,7 +157,8 @@ class DecodeAttention:
                                          resident_clusters=self._max_active_clusters,
                                          kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
                                          may_resplit=variant is None,
-                                         multi_cluster=self.split_spec.fused_merge)
+                                         multi_cluster=self.split_spec.fused_merge,
+                                         whole_row_ctas=whole_row_ctas(self.num_sms))
             spec = self.split_spec.replace(cluster=cluster)
             if spec.span_rows:
                 # Equal shares of all rows' tiles: as many CTAs as are resident (or as the forced

@@ -30,8 +30,8 @@ WARPS = (1, 2, 4, 8)
 TILE_TOKENS = (16, 32, 64)
 STAGES = (2, 3, 4)
 #: Thread-block cluster sizes for the split variant's merge through distributed shared memory
-#: (1: no cluster). 16 is beyond the portable limit of 8 and is allowed per kernel at load time.
-CLUSTERS = (1, 2, 4, 8, 16)
+#: (1: no cluster). Sizes above the portable limit of 8 are allowed per kernel at load time.
+CLUSTERS = tuple(range(1, 17))
 #: How K/V rows reach shared memory. cp_async: every lane copies 16-byte pieces (sm_80+).
 #: bulk: one cp.async.bulk per token row on the copy engine, counted on an mbarrier (sm_90+).
 #: tma: the copy engine fetches a tile's K and V as 2-D boxes of 128 bytes x tile_tokens rows,

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitkv.plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan, span_row_ctas
+from splitkv.plan import (SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan, span_row_ctas,
+                          whole_row_ctas)
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
 # Short batches of short sequences on a small GPU reach the split path far more often.
@@ -147,13 +148,51 @@ def test_plan_rejects_unknown_variant():
 # ---- fit_clusters: cluster size and re-splitting, against a fake occupancy table -----------------
 
 #: Resident clusters of each size on an H200 with one CTA per SM (as the driver reported).
-_H200_ONE_CTA_PER_SM = {2: 66, 4: 30, 8: 15, 16: 7}
+_H200_ONE_CTA_PER_SM = {2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15, 9: 9, **{c: 7 for c in range(10, 17)}}
+_H200_WHOLE_ROW = whole_row_ctas(132)
 
 
 def _fit(lens, heads, splits, *, resident=_H200_ONE_CTA_PER_SM.get, may_resplit=True, bytes_per_token=512):
     plan = fixed_plan(lens, heads, variant="split", chunk_size=128, num_splits=splits)
     return plan, fit_clusters(plan, lens, heads, chunk_size=128, max_cluster=16, resident_clusters=resident,
                               kv_bytes_per_token=bytes_per_token, may_resplit=may_resplit)
+
+
+def test_whole_row_clusters_over_about_half_the_sms():
+    assert _H200_WHOLE_ROW == (64, 72)
+    for lens, heads, splits, expected in [
+        ([65536], 8, 16, (9, 7296)),        # 8 rows: clusters of 9 on 72 SMs, not 16 splits and the global merge
+        ([524288], 8, 12, (9, 58368)),
+        ([4096], 8, 16, (8, 512)),           # 9 chunks of 128 do not fit 4096 tokens better than 8
+        ([1024], 8, 8, (8, 128)),
+        ([65536, 30000], 8, 8, (4, 16384)),  # 16 rows: clusters of 4 on 64 SMs
+        ([65536], 4, 24, (16, 4096)),        # 4 rows: clusters of 16
+    ]:
+        plan = fixed_plan(lens, heads, variant="split", chunk_size=128, num_splits=splits)
+        chosen, cluster = fit_clusters(plan, lens, heads, chunk_size=128, max_cluster=16,
+                                       resident_clusters=_H200_ONE_CTA_PER_SM.get, kv_bytes_per_token=512,
+                                       whole_row_ctas=_H200_WHOLE_ROW)
+        assert (cluster, chosen.tokens_per_split) == expected, (lens, heads)
+        assert chosen.num_splits == cluster and chosen.num_ctas == len(lens) * heads * cluster
+
+
+@pytest.mark.parametrize("lens, heads", [([65536], 32), ([65536] * 4, 8), ([16384], 2), ([65536], 1), ([200], 8)])
+def test_no_whole_row_clusters_outside_the_share_or_for_short_rows(lens, heads):
+    # 32 rows would need pairs (under the smallest size), 1-2 rows too few SMs even in clusters
+    # of 16, 200 tokens too few chunks: the other rules decide, as without whole-row clusters.
+    plan = fixed_plan(lens, heads, variant="split", chunk_size=128, num_splits=4)
+    args = dict(chunk_size=128, max_cluster=16, resident_clusters=_H200_ONE_CTA_PER_SM.get, kv_bytes_per_token=512)
+    assert fit_clusters(plan, lens, heads, **args, whole_row_ctas=_H200_WHOLE_ROW) == fit_clusters(plan, lens, heads, **args)
+
+
+def test_whole_row_clusters_need_every_row_resident_and_a_free_choice():
+    plan = fixed_plan([65536], 8, variant="split", chunk_size=128, num_splits=16)
+    args = dict(chunk_size=128, max_cluster=16, kv_bytes_per_token=512, whole_row_ctas=_H200_WHOLE_ROW)
+    chosen, cluster = fit_clusters(plan, [65536], 8, resident_clusters={**_H200_ONE_CTA_PER_SM, 9: 7}.get, **args)
+    assert cluster == 8  # 9 clusters of 9 no longer resident: 8 of 8
+    assert fit_clusters(plan, [65536], 8, resident_clusters=lambda c: None, **args) == (plan, 1)
+    assert fit_clusters(plan, [65536], 8, resident_clusters=_H200_ONE_CTA_PER_SM.get, may_resplit=False,
+                        **args) == (plan, 1)
 
 
 def test_cluster_when_the_split_count_fits():
@@ -235,9 +274,10 @@ def test_dense_plans_have_no_cluster():
 
 
 @settings(max_examples=300, deadline=None)
-@given(problems(), st.sampled_from([1, 2, 4, 8, 16]), st.booleans(), st.booleans(),
-       st.fixed_dictionaries({c: st.one_of(st.none(), st.integers(0, 80)) for c in (2, 4, 8, 16)}))
-def test_fit_clusters_invariants(problem, max_cluster, may_resplit, multi_cluster, resident_table):
+@given(problems(), st.sampled_from([1, 2, 4, 8, 9, 16]), st.booleans(), st.booleans(),
+       st.fixed_dictionaries({c: st.one_of(st.none(), st.integers(0, 80)) for c in range(2, 17)}),
+       st.one_of(st.none(), st.sampled_from([(64, 72), (8, 40), (1, 300)])))
+def test_fit_clusters_invariants(problem, max_cluster, may_resplit, multi_cluster, resident_table, whole_row):
     # Whatever the occupancy table says: a cluster size divides the grid, every row's tokens are
     # still covered, all clusters of the grid are resident, and a forced plan keeps its splits.
     plan = run(problem)
@@ -245,11 +285,15 @@ def test_fit_clusters_invariants(problem, max_cluster, may_resplit, multi_cluste
     rows = lens.size * problem["num_kv_heads"]
     chosen, cluster = fit_clusters(plan, lens, problem["num_kv_heads"], chunk_size=problem["chunk_size"],
                                    max_cluster=max_cluster, resident_clusters=resident_table.get,
-                                   kv_bytes_per_token=512, may_resplit=may_resplit, multi_cluster=multi_cluster)
+                                   kv_bytes_per_token=512, may_resplit=may_resplit, multi_cluster=multi_cluster,
+                                   whole_row_ctas=whole_row)
     if plan.variant == "dense":
         assert (chosen, cluster) == (plan, 1)
         return
-    assert chosen.variant == "split" and 1 <= cluster <= max_cluster and cluster & (cluster - 1) == 0
+    assert chosen.variant == "split" and 1 <= cluster <= max_cluster
+    if cluster & (cluster - 1):  # sizes other than powers of two come from whole-row clusters alone
+        assert whole_row is not None and chosen.num_splits == cluster
+        assert whole_row[0] <= rows * cluster <= whole_row[1]
     assert chosen.num_splits % cluster == 0 and chosen.num_ctas == rows * chosen.num_splits
     assert int(chosen.splits_per_seq.max()) <= chosen.num_splits
     assert chosen.num_splits - int(chosen.splits_per_seq.max()) < max(cluster, 1)  # padding: under one cluster

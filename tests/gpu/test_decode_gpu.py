@@ -125,6 +125,8 @@ def run_case(head_dim, group, lens, *, variant=None, num_splits=None, dtype="bf1
     plan = attn.plan(lens, variant=variant, num_splits=num_splits)
     if expect_cluster == "several":  # rows of more than one cluster each
         assert 1 < attn._launch.spec.cluster < plan.num_splits, attn.plan_info
+    elif expect_cluster == "whole_row":  # one cluster per row, of any size
+        assert 1 < attn._launch.spec.cluster == plan.num_splits, attn.plan_info
     elif expect_cluster is not None:  # the layout the test is about was really planned
         assert attn._launch.spec.cluster == expect_cluster, attn.plan_info
     out = poisoned((batch, num_qo, head_dim), dtype)
@@ -312,6 +314,17 @@ def test_ctas_spanning_rows_with_forced_counts(num_splits):
     plan = run_case(128, 4, [5000, 2999, 1], variant="split", num_splits=num_splits, num_kv_heads=3,
                     spec_changes=SPAN, nan_tail=True)
     assert plan.row_tokens > 0 and plan.num_ctas > 1
+
+
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 8), (256, 2)])
+@pytest.mark.parametrize("lens, num_kv_heads", [([20000], 5), ([20000], 6), ([20000], 7), ([65536], 8),
+                                                ([20000, 9000], 5), ([20000, 9000], 6), ([20000, 0], 7),
+                                                ([9000, 20000], 8)])
+def test_whole_row_clusters_of_any_size(head_dim, group, lens, num_kv_heads):
+    # 5 to 16 rows over about half the SMs: one cluster per row of 4 to 14 CTAs (on an H200: 14,
+    # 12, 10, 9, 7, 6, 5 and 4), ragged rows leaving CTAs that stream nothing but still merge.
+    plan = run_case(head_dim, group, lens, num_kv_heads=num_kv_heads, expect_cluster="whole_row")
+    print(f"{len(lens)} x {num_kv_heads} rows: clusters of {plan.num_splits}")
 
 
 def test_planner_takes_several_clusters_for_rows_of_many_splits():

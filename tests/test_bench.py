@@ -510,6 +510,22 @@ def _patches(patch, source):
         return False
 
 
+def test_cluster_sizes_forces_whole_row_clusters_and_gives_the_planner_back():
+    from splitkv import runtime
+    from splitkv.plan import fixed_plan
+
+    tool = _bench_tool("cluster_sizes")
+    planner = runtime.fit_clusters
+    nine = fixed_plan([65536], 8, variant="split", chunk_size=32, num_splits=9)
+    with tool.whole_row_clusters(runtime, 9):
+        assert runtime.fit_clusters(nine, [65536], 8) == (nine, 9)
+        with pytest.raises(ValueError, match="9 splits after chunk rounding, not 8"):
+            with tool.whole_row_clusters(runtime, 8):
+                runtime.fit_clusters(nine, [65536], 8)
+        assert runtime.fit_clusters(nine, [65536], 8) == (nine, 9)  # the inner block gave the outer's back
+    assert runtime.fit_clusters is planner
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
 def test_variant_rounds_put_every_variant_in_every_position(count):
     variants = _bench_tool("variants")

@@ -1,0 +1,122 @@
+"""Whole-row thread-block clusters of a given size against the planner's own plan.
+
+For each shape, the planner's plan is timed beside plans whose rows are each one cluster of the
+given sizes (one split per member, merged in shared memory), under the benchmark's protocol, every
+variant in every position of the call order. Each variant's output is compared with the planner's
+(and checked for NaN). Without sizes, the largest cluster every row fits into at once, 8 and 4 are
+tried. This is how `plan.WHOLE_ROW_SHARE` was measured (BENCHMARKS.md).
+
+    python bench/cluster_sizes.py 1:32:8:128:64k@8,9 2:32:8:128:4k@4,5 1:32:32:128:64k
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from variants import round_order  # noqa: E402
+
+
+@contextlib.contextmanager
+def whole_row_clusters(runtime, size: int):
+    """Within the block, every split plan runs as one cluster of ``size`` per row (the forced split
+    count must come out as ``size`` after chunk rounding)."""
+    chosen = runtime.fit_clusters
+
+    def fit(plan, *args, **kwargs):
+        if plan.num_splits != size:
+            raise ValueError(f"{plan.num_splits} splits after chunk rounding, not {size}")
+        return plan, size
+
+    runtime.fit_clusters = fit
+    try:
+        yield
+    finally:
+        runtime.fit_clusters = chosen
+
+
+def largest_resident(spec, rows: int):
+    """The largest cluster size whose clusters are all resident for ``rows`` rows (None: none)."""
+    from splitkv.codegen.load import load_kernel
+    from splitkv.codegen.occupancy import max_active_clusters
+
+    for size in range(16, 1, -1):
+        candidate = spec.replace(variant="split", cluster=size)
+        function, _ = load_kernel(candidate)
+        if (max_active_clusters(function, size, candidate.threads, candidate.smem_bytes) or 0) >= rows:
+            return size
+    return None
+
+
+def main(argv=None) -> int:
+    import cupy
+
+    from splitkv import DecodeAttention, runtime
+    from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
+    from splitkv.floor import ReadFloor
+    from splitkv.heuristics import default_spec
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="+", help="B:Hq:Hkv:D:L, optionally @size,size,...")
+    parser.add_argument("--iters", type=int, default=60)
+    args = parser.parse_args(argv)
+    sizes = [[int(s) for s in text.partition("@")[2].split(",") if s] for text in args.shapes]
+    shapes = parse_shapes([text.partition("@")[0] for text in args.shapes])
+    arch = "sm_" + cupy.cuda.Device().compute_capability
+    harness = Harness(args.iters, 5, 256 << 20)
+    floor = ReadFloor(max(shape.total_bytes for shape in shapes))
+    as_float = lambda bits: (bits.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731 (bf16 bits)
+
+    for shape, wanted in zip(shapes, sizes):
+        batch, hq, hkv, dim, length = (shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
+                                       shape.seq_len)
+        q, k, v, out = random_bf16_qkv(shape)
+        with harness.active():
+            floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
+        print(f"{shape.label}: read floor {floor_us:.2f} µs", flush=True)
+        spec = default_spec(arch, dim, hq // hkv)
+        if not wanted:
+            top = largest_resident(spec, batch * hkv)
+            wanted = sorted({s for s in (top, 8, 4) if top is not None and s <= top}, reverse=True)
+        variants = []
+        for size in [None, *wanted]:
+            if size is None:
+                attn = DecodeAttention(hq, hkv, dim)
+                attn.plan([length] * batch, stream=harness.stream)
+            else:
+                # Chunks of one tile, so that the split count can match the cluster size.
+                attn = DecodeAttention(hq, hkv, dim, spec=spec.replace(cluster=16, chunk_size=spec.tile_tokens))
+                try:
+                    with whole_row_clusters(runtime, size):
+                        attn.plan([length] * batch, variant="split", num_splits=size, stream=harness.stream)
+                except ValueError as exc:
+                    print(f"  clusters of {size}: skipped ({exc})")
+                    continue
+            result = cupy.full(out.shape, 0x7FC0, dtype=out.dtype)  # bf16 NaN until written
+            with harness.active():
+                attn.run(q, k, v, out=result)
+                harness.synchronize()
+            variants.append(("planner" if size is None else f"clusters of {size}", attn, result))
+        times = [[] for _ in variants]
+        for round_index in range(len(variants)):
+            for i in round_order(len(variants), round_index):
+                attn = variants[i][1]
+                with harness.active():
+                    times[i].append(statistics.median(harness.time(lambda: attn.run(q, k, v, out=out))))
+        reference = as_float(variants[0][2])
+        for (name, attn, result), samples in zip(variants, times):
+            values = as_float(result)
+            print(f"  {statistics.median(samples):8.2f} µs [{min(samples):.2f}-{max(samples):.2f}]  {name:16s} "
+                  f"max |diff| {float(cupy.abs(values - reference).max()):.1e}  "
+                  f"NaN {bool(cupy.isnan(values).any())}  {attn.plan_info}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

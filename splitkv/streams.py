@@ -122,13 +122,22 @@ class StreamOrder:
         self._plan_done = None  # event: the last plan's writes
         self._ordered: set[int] = set()  # streams whose later work already follows that plan
         self._runs_elsewhere: dict[int, object] = {}  # stream -> event after its last launch
+        self._plan_moved = None  # event: the previous plan's stream, when the next plan is on another
 
     def before_plan(self, ptr: int) -> None:
-        """Called on the plan's stream before it writes: it waits for runs on other streams."""
+        """Called on the plan's stream before it writes: it waits for runs on other streams,
+        including the previous plan's stream when this plan moves to another one."""
         for stream, event in self._runs_elsewhere.items():
             if not same_stream(stream, ptr):
                 _wait(ptr, event)
         self._runs_elsewhere.clear()
+        previous = self._plan_stream
+        if previous is not None and not same_stream(previous, ptr) and not is_capturing(previous):
+            # Runs on the previous plan's stream were not recorded (they followed that plan anyway).
+            if self._plan_moved is None:
+                self._plan_moved = _new_event()
+            _record(self._plan_moved, previous)
+            _wait(ptr, self._plan_moved)
 
     def planned(self, ptr: int) -> None:
         """Called after the plan's writes were queued on stream ``ptr``."""

@@ -71,12 +71,22 @@ def test_a_plan_on_a_new_stream_waits_for_runs_on_the_old_one(calls):
     order = streams.StreamOrder()
     order.planned(PLAN)
     order.before_run(PLAN)
-    order.after_run(PLAN)  # the plan's own stream: nothing recorded
+    order.after_run(PLAN)  # the plan's own stream: nothing recorded after the run...
+    assert calls.records == [(1, PLAN)]
+    order.before_plan(OTHER)  # ...so a plan moving to another stream waits for all of PLAN's work
+    moved = 2
+    assert calls.records[-1] == (moved, PLAN) and calls.waits == [(OTHER, moved)]
+    order.planned(OTHER)
+    order.before_run(PLAN)  # and runs on the old stream wait for the new plan's writes
+    assert calls.waits[-1] == (PLAN, 1)
+
+
+def test_a_plan_does_not_wait_on_a_stream_under_capture(calls):
+    order = streams.StreamOrder()
+    order.planned(PLAN)
+    calls.capturing.add(PLAN)
     order.before_plan(OTHER)
     assert calls.waits == []
-    order.planned(OTHER)
-    order.before_run(PLAN)
-    assert calls.waits == [(PLAN, 1)]
 
 
 def test_captured_runs_wait_in_every_capture_and_are_not_recorded(calls):

@@ -4,9 +4,9 @@
 dense or split and the cluster size, compiles (or loads from the cache) the programs and sizes the
 workspace. The workspace is reused by later plans, so a CUDA graph captured after one plan must be
 captured again after the next.
-``run()`` only reads array metadata and enqueues one or two kernels on the caller's stream (after
-an event wait when the plan was made on another stream), so it can be captured in a CUDA graph
-and replayed.
+``run()`` only reads array metadata and enqueues one or two kernels on the caller's stream (with
+an event after them, and a wait before them when the previous plan or run used another stream),
+so it can be captured in a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class DecodeAttention:
         self._cluster_fit: dict[int, int | None] = {}
         self._workspace: dict[str, object] = {}
         self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
-        self._order = streams.StreamOrder()  # plan() and run() on different streams
+        self._order = streams.StreamOrder()  # plan() and run() in call order across streams
         self._producer_events: dict[int, object] = {}  # streams named by inputs' interfaces
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
@@ -117,17 +117,18 @@ class DecodeAttention:
         rewritten in place may grow up to it between CUDA-graph replays. ``variant`` (and
         ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning.
         ``stream``: where the lengths and the zeroed counters are written (a CuPy or torch stream,
-        or a handle). Default: torch's current stream for a torch ``seq_lens``, else CuPy's current
-        stream. run() may launch on another stream: the GPU then orders its first launch there
-        after these writes, and this plan's writes after the earlier launches of run() on other
-        streams (events; the host does not wait). Passing the stream run() will use costs nothing.
+        or a handle). Default: torch's current stream for a torch ``seq_lens``, else the current
+        CuPy stream of this instance's device. run() may launch on other streams: the GPU keeps
+        plans and runs in call order whatever streams they use (an event after each; a call on
+        another stream than the one before waits for it; the host never waits).
         """
         on_device = tensors.is_device_array(seq_lens)
-        plan_stream = tensors.stream_ptr(seq_lens if on_device else None, stream)
-        with streams.on_device(self.device), streams.use_stream(plan_stream):
-            self._order.before_plan(plan_stream)  # runs on other streams still read the workspace
-            plan = self._plan(seq_lens, max_len, variant, num_splits)
-            self._order.planned(plan_stream)
+        with streams.on_device(self.device):  # CuPy's current stream is the device's own
+            plan_stream = tensors.stream_ptr(seq_lens if on_device else None, stream)
+            with streams.use_stream(plan_stream):
+                capturing = self._order.enter(plan_stream)  # after earlier runs on other streams
+                plan = self._plan(seq_lens, max_len, variant, num_splits)
+                self._order.leave(plan_stream, capturing)
         return plan
 
     def _plan(self, seq_lens, max_len, variant, num_splits) -> SplitPlan:
@@ -253,6 +254,10 @@ class DecodeAttention:
 
         held = self._workspace.get(name)
         if held is None or held.size < size:
+            if held is not None:
+                # The block returns to the pool of the stream it was allocated on, which may hand it
+                # out at once; runs on other streams may still use it. A rare sync: buffers only grow.
+                self._order.synchronize()
             held = cupy.zeros(max(size, 1), dtype=dtype)
             self._workspace[name] = held
         elif zero:
@@ -270,16 +275,18 @@ class DecodeAttention:
         launch = self._launch
         if launch is None:
             raise RuntimeError("run() before plan(): call plan(seq_lens) first")
-        launch_stream = tensors.stream_ptr(q, stream)
-        with streams.on_device(self.device), streams.use_stream(launch_stream):
-            self._order.before_run(launch_stream)  # after the plan's writes, when on another stream
-            # Allocated on the launch stream: a pool hands the block out again only after this launch.
-            if out is None:
-                out = _new_output(q, stream=launch_stream)
-            if return_lse and lse is None:
-                lse = _new_output(q, lse=True, stream=launch_stream)
-            self._launch_on_current_stream(launch, q, k, v, out, lse, launch_stream)
-            self._order.after_run(launch_stream)  # before the next plan's writes, when on another stream
+        with streams.on_device(self.device):  # CuPy's current stream is the device's own
+            launch_stream = tensors.stream_ptr(q, stream)
+            with streams.use_stream(launch_stream):
+                # After the plan's writes and earlier runs, when those were on other streams.
+                capturing = self._order.enter(launch_stream)
+                # Allocated on the launch stream: a pool hands the block out again only after this launch.
+                if out is None:
+                    out = _new_output(q, stream=launch_stream)
+                if return_lse and lse is None:
+                    lse = _new_output(q, lse=True, stream=launch_stream)
+                self._launch_on_current_stream(launch, q, k, v, out, lse, launch_stream)
+                self._order.leave(launch_stream, capturing)
         return (out, lse) if return_lse else out
 
     def _launch_on_current_stream(self, launch: _Launch, q, k, v, out, lse, launch_stream: int) -> None:

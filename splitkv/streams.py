@@ -1,17 +1,17 @@
 """CUDA devices and streams for the runtime: switching to them, and ordering work between them.
 
-`use_stream` and `on_device` make a stream or device current for a block. `StreamOrder` orders a
-`DecodeAttention`'s plan() writes (lengths, zeroed counters, workspace) before the kernels of
-its run() calls, and those kernels before the next plan's writes, when the caller plans on one
-stream and runs on another (a common mix: host lengths planned on CuPy's current stream, torch
-tensors run on torch's). `wait_for_producer` honours the ``stream`` entry of an input's
-``__cuda_array_interface__``. All of it is events recorded and waited on by the GPU: the host
-never waits.
+`use_stream` and `on_device` make a stream or device current for a block. `StreamOrder` keeps a
+`DecodeAttention`'s plan() writes (lengths, zeroed counters) and run() kernels (which write the
+partials and counters) in call order when the caller uses more than one stream (a common mix:
+host lengths planned on CuPy's current stream, torch tensors run on torch's).
+`wait_for_producer` honours the ``stream`` entry of an input's ``__cuda_array_interface__``.
+All of it is events recorded and waited on by the GPU: the host never waits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 
 #: cudaEventWaitExternal: a wait recorded into a graph under capture as an event-wait node, which
 #: each replay then honours (a plain wait may not name an event recorded outside the capture).
@@ -19,6 +19,8 @@ _WAIT_EXTERNAL = 1
 #: The interface's (and the runtime API's) handle of the legacy default stream, which CuPy and
 #: torch call 0.
 _LEGACY_DEFAULT = 1
+#: cudaStreamPerThread: one handle, and in every thread that thread's own default stream.
+_PER_THREAD_DEFAULT = 2
 
 _streams: dict[tuple, object] = {}
 
@@ -69,21 +71,21 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
-def same_stream(a: int, b: int) -> bool:
-    """Whether two handles name one stream (0 and 1 both name the legacy default stream)."""
-    return _canonical(a) == _canonical(b)
-
-
-def _canonical(ptr: int) -> int:
-    return 0 if ptr == _LEGACY_DEFAULT else ptr
+def stream_key(ptr: int):
+    """What identifies the stream behind handle ``ptr`` in the calling thread: 0 and 1 both name the
+    legacy default stream, and 2 names the calling thread's own default stream."""
+    if ptr == _LEGACY_DEFAULT:
+        return 0
+    if ptr == _PER_THREAD_DEFAULT:
+        return (_PER_THREAD_DEFAULT, threading.get_ident())
+    return ptr
 
 
 def is_capturing(ptr: int) -> bool:
     """Whether stream ``ptr`` is being captured into a CUDA graph (a query; it never waits)."""
     import cupy
 
-    runtime = cupy.cuda.runtime
-    return runtime.streamIsCapturing(ptr) != runtime.streamCaptureStatusNone
+    return bool(cupy.cuda.runtime.streamIsCapturing(ptr))
 
 
 def _new_event():
@@ -92,11 +94,13 @@ def _new_event():
     return cupy.cuda.Event(block=False, disable_timing=True, interprocess=False)
 
 
-def _wait(waiter: int, event) -> None:
-    """Work queued on ``waiter`` from now on runs after what ``event`` recorded."""
+def _wait(waiter: int, event, *, in_capture: bool = False) -> None:
+    """Work queued on ``waiter`` from now on runs after what ``event`` recorded. ``in_capture``:
+    the event was recorded by work of the capture ``waiter`` belongs to (a plain wait, which
+    becomes an edge of that graph); otherwise a capturing ``waiter`` gets an event-wait node."""
     import cupy
 
-    flags = _WAIT_EXTERNAL if is_capturing(waiter) else 0
+    flags = _WAIT_EXTERNAL if is_capturing(waiter) and not in_capture else 0
     cupy.cuda.runtime.streamWaitEvent(waiter, event.ptr, flags)
 
 
@@ -107,75 +111,61 @@ def _record(event, ptr: int) -> None:
 
 
 class StreamOrder:
-    """Orders one workspace's writers (plan) and readers (run) across streams.
+    """Puts one workspace's users (plan() writes it, run() writes and reads it) in call order on the
+    GPU, whichever streams they are called on.
 
-    After `planned(stream)`, the first `before_run` on each other stream makes it wait for the
-    plan's writes; `after_run` on a stream other than the plan's records the launch, and the next
-    `before_plan` waits for every such launch before the workspace is written again. On a single
-    stream (decode(), and every caller that passes the same stream to both) the only cost is the
-    one event each plan records; nothing is waited on. Create it on the device whose streams it
-    orders; its events live there.
+    `enter(stream)` before queuing work: when the last work was queued on another stream, this
+    stream waits for it. `leave(stream)` after: an event is recorded there, so the next work on
+    another stream can wait for it. One event, re-recorded each time: a wait takes its state when
+    it is queued, and each wait follows the previous work, so the waits chain every plan and run
+    in order. The event is recorded while its stream is alive, so later waits never touch a
+    stream the caller may have destroyed. Under graph capture the wait becomes an event-wait node,
+    which each replay honours (it then follows the latest plan or run outside the graph); work
+    captured into a graph records nothing, so replays are the caller's to order against later
+    plans. Create it on the device whose streams it orders; its event lives there.
     """
 
     def __init__(self):
-        self._plan_stream: int | None = None
-        self._plan_done = None  # event: the last plan's writes
-        self._ordered: set[int] = set()  # streams whose later work already follows that plan
-        self._runs_elsewhere: dict[int, object] = {}  # stream -> event after its last launch
-        self._plan_moved = None  # event: the previous plan's stream, when the next plan is on another
+        self._done = None  # event after the last work queued outside a capture
+        self._last = None  # stream_key of the stream it was recorded on
 
-    def before_plan(self, ptr: int) -> None:
-        """Called on the plan's stream before it writes: it waits for runs on other streams,
-        including the previous plan's stream when this plan moves to another one."""
-        for stream, event in self._runs_elsewhere.items():
-            if not same_stream(stream, ptr):
-                _wait(ptr, event)
-        self._runs_elsewhere.clear()
-        previous = self._plan_stream
-        if previous is not None and not same_stream(previous, ptr) and not is_capturing(previous):
-            # Runs on the previous plan's stream were not recorded (they followed that plan anyway).
-            if self._plan_moved is None:
-                self._plan_moved = _new_event()
-            _record(self._plan_moved, previous)
-            _wait(ptr, self._plan_moved)
+    def enter(self, ptr: int) -> bool:
+        """Orders stream ``ptr`` after the last work, when that was on another stream or ``ptr``
+        is being captured. Returns whether ``ptr`` is being captured."""
+        capturing = is_capturing(ptr)
+        if self._done is not None and (capturing or stream_key(ptr) != self._last):
+            _wait(ptr, self._done)
+        return capturing
 
-    def planned(self, ptr: int) -> None:
-        """Called after the plan's writes were queued on stream ``ptr``."""
-        if self._plan_done is None:
-            self._plan_done = _new_event()
-        _record(self._plan_done, ptr)
-        self._plan_stream = ptr
-        self._ordered = {_canonical(ptr)}
+    def synchronize(self) -> None:
+        """Waits on the host until the last recorded work is done (before memory it may still use
+        goes back to a pool that may hand it out on another stream)."""
+        if self._done is not None:
+            self._done.synchronize()
 
-    def before_run(self, ptr: int) -> None:
-        """Called before a launch on stream ``ptr``: the first on a stream other than the plan's
-        waits for the plan's writes. A stream under graph capture waits on every capture (the wait
-        becomes a node of that graph), so each graph's replays follow the latest plan."""
-        if _canonical(ptr) in self._ordered or self._plan_done is None:
+    def leave(self, ptr: int, capturing: bool) -> None:
+        """Records the work just queued on ``ptr`` (not when it was captured into a graph)."""
+        if capturing:
             return
-        _wait(ptr, self._plan_done)
-        if not is_capturing(ptr):
-            self._ordered.add(_canonical(ptr))
-
-    def after_run(self, ptr: int) -> None:
-        """Called after a launch on stream ``ptr``: the next plan waits for it when the streams
-        differ. Launches captured into a graph are not recorded: replays are the caller's to order."""
-        if self._plan_stream is None or same_stream(ptr, self._plan_stream) or is_capturing(ptr):
-            return
-        event = self._runs_elsewhere.get(ptr)
-        if event is None:
-            event = self._runs_elsewhere[ptr] = _new_event()
-        _record(event, ptr)
+        if self._done is None:
+            self._done = _new_event()
+        _record(self._done, ptr)
+        self._last = stream_key(ptr)
 
 
 def wait_for_producer(producer: int | None, consumer: int, event_holder: dict) -> None:
     """Orders stream ``consumer`` after stream ``producer`` (an input's ``__cuda_array_interface__``
     ``stream``: None means no ordering is needed). ``event_holder`` keeps one reusable event per
     producer stream: a wait takes the event's state when it is queued, so reuse is safe."""
-    if producer is None or same_stream(producer, consumer):
+    if producer is None or stream_key(producer) == stream_key(consumer):
         return
+    if is_capturing(consumer) and stream_key(producer) == 0:
+        # Recording on the legacy default stream would synchronise with, and so invalidate, the capture.
+        raise RuntimeError("an input's __cuda_array_interface__ names the legacy default stream as its producer, "
+                           "which cannot be waited for while the launch stream is being captured; finish the "
+                           "producer's work before the capture, or produce the input on a non-default stream")
     event = event_holder.get(producer)
     if event is None:
         event = event_holder[producer] = _new_event()
     _record(event, producer)
-    _wait(consumer, event)
+    _wait(consumer, event, in_capture=is_capturing(producer))

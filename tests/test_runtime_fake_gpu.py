@@ -115,9 +115,15 @@ def fake_gpu(monkeypatch):
     # Events between streams: which stream waits for which event, by the event's number.
     events = itertools.count(1)
     record.event_records, record.event_waits = [], []
-    monkeypatch.setattr(streams, "_new_event", lambda: types.SimpleNamespace(ptr=next(events)))
+    record.host_waits = []
+
+    def new_event():
+        event = types.SimpleNamespace(ptr=next(events))
+        event.synchronize = lambda: record.host_waits.append(event.ptr)
+        return event
+    monkeypatch.setattr(streams, "_new_event", new_event)
     monkeypatch.setattr(streams, "_record", lambda event, ptr: record.event_records.append((event.ptr, ptr)))
-    monkeypatch.setattr(streams, "_wait", lambda ptr, event: record.event_waits.append((ptr, event.ptr)))
+    monkeypatch.setattr(streams, "_wait", lambda ptr, event, in_capture=False: record.event_waits.append((ptr, event.ptr)))
     monkeypatch.setattr(streams, "is_capturing", lambda ptr: False)
     monkeypatch.setattr(runtime, "_instances", type(runtime._instances)())
     return record
@@ -259,15 +265,14 @@ def test_plan_and_run_on_different_streams_are_ordered_on_the_gpu(fake_gpu):
     attn = runtime.DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16")
     q, k, v = _qkv(2, 8, 2, 128, 16)
     attn.plan([5, 9], stream=5)
-    (plan_event, plan_stream), = fake_gpu.event_records
+    ((event, plan_stream),) = fake_gpu.event_records
     assert plan_stream == 5 and not fake_gpu.event_waits
     attn.run(q, k, v, stream=7)
     attn.run(q, k, v, stream=7)
-    assert fake_gpu.event_waits == [(7, plan_event)]  # once: later launches there follow it anyway
-    run_event = fake_gpu.event_records[-1][0]
-    assert fake_gpu.event_records[-1] == (run_event, 7) and run_event != plan_event
+    assert fake_gpu.event_waits == [(7, event)]  # once: the second run follows the first on its stream
+    assert fake_gpu.event_records[-2:] == [(event, 7), (event, 7)]
     attn.plan([6, 9], stream=5)
-    assert fake_gpu.event_waits[-1] == (5, run_event)
+    assert fake_gpu.event_waits[-1] == (5, event)
     assert len(fake_gpu.launches) == 2
 
 
@@ -277,5 +282,17 @@ def test_run_waits_for_the_stream_an_interface_names(fake_gpu):
     q, k, v = _qkv(2, 8, 2, 128, 16)
     k.__cuda_array_interface__["stream"] = 0x4400  # the producer's work on k may still be queued there
     attn.run(q, k, v, stream=7)
-    (event, producer), = fake_gpu.event_records[1:]
+    event, producer = fake_gpu.event_records[1]
     assert producer == 0x4400 and fake_gpu.event_waits == [(7, event)]
+
+
+def test_a_plan_that_grows_the_workspace_first_waits_for_the_last_run(fake_gpu):
+    # The old buffer returns to the pool of the stream that allocated it, which may hand it out
+    # while a run on another stream still writes it: plan() waits for that run on the host first.
+    attn = runtime.DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16")
+    attn.plan([4000, 9], stream=5)
+    attn.run(*_qkv(2, 8, 2, 128, 4000), stream=7)
+    attn.plan([4000, 9], stream=5)  # same sizes: nothing replaced, no host wait
+    assert fake_gpu.host_waits == []
+    attn.plan([4000] * 8, stream=5)  # a larger batch: a larger lengths buffer
+    assert fake_gpu.host_waits and set(fake_gpu.host_waits) == {fake_gpu.event_records[0][0]}

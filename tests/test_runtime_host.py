@@ -142,6 +142,9 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: Device.id)  # already on its device
     monkeypatch.setattr(tensor_map, "encode", fake_encode)
     monkeypatch.setattr(streams, "use_stream", lambda ptr: contextlib.nullcontext())
+    monkeypatch.setattr(streams, "is_capturing", lambda ptr: False)  # one stream: no event is waited for
+    monkeypatch.setattr(streams, "_new_event", lambda: None)
+    monkeypatch.setattr(streams, "_record", lambda event, ptr: None)
     launched = []
 
     def decode_fn(grid, block, args, shared_mem):  # reads which cache each map holds, as a launch copies them

@@ -1,9 +1,10 @@
 """StreamOrder and wait_for_producer with CUDA's event calls replaced by a recorder: which stream
-waits for what, when plan() and run() share a stream, use two, or run under graph capture."""
+waits for what, when plan() and run() share a stream, use several, or run under graph capture."""
 
 from __future__ import annotations
 
 import itertools
+import threading
 import types
 
 import pytest
@@ -18,95 +19,73 @@ def calls(monkeypatch):
     log = types.SimpleNamespace(events=itertools.count(1), records=[], waits=[], capturing=set())
     monkeypatch.setattr(streams, "_new_event", lambda: types.SimpleNamespace(ptr=next(log.events)))
     monkeypatch.setattr(streams, "_record", lambda event, ptr: log.records.append((event.ptr, ptr)))
-    monkeypatch.setattr(streams, "_wait", lambda ptr, event: log.waits.append((ptr, event.ptr)))
+
+    def wait(ptr, event, *, in_capture=False):
+        log.waits.append((ptr, event.ptr, in_capture))
+    monkeypatch.setattr(streams, "_wait", wait)
     monkeypatch.setattr(streams, "is_capturing", lambda ptr: ptr in log.capturing)
     return log
 
 
+def _use(order, ptr):
+    order.leave(ptr, order.enter(ptr))
+
+
 def test_one_stream_waits_for_nothing(calls):
     order = streams.StreamOrder()
-    for _ in range(3):
-        order.before_plan(PLAN)
-        order.planned(PLAN)
-        for _ in range(2):
-            order.before_run(PLAN)
-            order.after_run(PLAN)
+    for ptr in (PLAN, PLAN, PLAN, PLAN):  # plan, run, run, plan
+        _use(order, ptr)
     assert calls.waits == []
-    assert calls.records == [(1, PLAN)] * 3  # one event per plan, reused
+    assert calls.records == [(1, PLAN)] * 4  # one event, re-recorded after each call
 
 
-def test_run_on_another_stream_waits_once_per_plan_and_the_next_plan_waits_for_it(calls):
+def test_every_call_on_another_stream_waits_for_the_one_before(calls):
+    # plan on PLAN, runs on OTHER and THIRD (which write the same partials), plan again on PLAN:
+    # each waits for the previous call's work, so all four run in call order.
     order = streams.StreamOrder()
-    order.planned(PLAN)
-    order.before_run(OTHER)
-    order.after_run(OTHER)
-    order.before_run(OTHER)  # already ordered after this plan
-    order.after_run(OTHER)
-    plan_event, run_event = 1, 2
-    assert calls.waits == [(OTHER, plan_event)]
-    assert calls.records == [(plan_event, PLAN), (run_event, OTHER), (run_event, OTHER)]
-
-    order.before_plan(PLAN)  # the workspace is rewritten only after the run on OTHER
-    assert calls.waits[-1] == (PLAN, run_event)
-    order.planned(PLAN)
-    order.before_run(OTHER)  # a new plan: OTHER waits again
-    assert calls.waits[-1] == (OTHER, plan_event)
-    order.before_plan(PLAN)  # no run since: nothing more to wait for
-    assert len(calls.waits) == 3
+    for ptr in (PLAN, OTHER, OTHER, THIRD, PLAN):
+        _use(order, ptr)
+    assert calls.waits == [(OTHER, 1, False), (THIRD, 1, False), (PLAN, 1, False)]
+    assert [ptr for _, ptr in calls.records] == [PLAN, OTHER, OTHER, THIRD, PLAN]
 
 
-def test_the_next_plan_waits_for_every_other_stream_that_ran(calls):
+def test_the_first_call_waits_for_nothing(calls):
     order = streams.StreamOrder()
-    order.planned(PLAN)
-    for stream in (OTHER, THIRD, PLAN):
-        order.before_run(stream)
-        order.after_run(stream)
-    calls.waits.clear()
-    order.before_plan(PLAN)
-    assert sorted(ptr for ptr, _ in calls.waits) == [PLAN, PLAN]
-    assert len({event for _, event in calls.waits}) == 2
-
-
-def test_a_plan_on_a_new_stream_waits_for_runs_on_the_old_one(calls):
-    order = streams.StreamOrder()
-    order.planned(PLAN)
-    order.before_run(PLAN)
-    order.after_run(PLAN)  # the plan's own stream: nothing recorded after the run...
-    assert calls.records == [(1, PLAN)]
-    order.before_plan(OTHER)  # ...so a plan moving to another stream waits for all of PLAN's work
-    moved = 2
-    assert calls.records[-1] == (moved, PLAN) and calls.waits == [(OTHER, moved)]
-    order.planned(OTHER)
-    order.before_run(PLAN)  # and runs on the old stream wait for the new plan's writes
-    assert calls.waits[-1] == (PLAN, 1)
-
-
-def test_a_plan_does_not_wait_on_a_stream_under_capture(calls):
-    order = streams.StreamOrder()
-    order.planned(PLAN)
-    calls.capturing.add(PLAN)
-    order.before_plan(OTHER)
+    _use(order, OTHER)
     assert calls.waits == []
 
 
-def test_captured_runs_wait_in_every_capture_and_are_not_recorded(calls):
+def test_a_capture_waits_in_every_graph_and_records_nothing(calls):
     order = streams.StreamOrder()
-    order.planned(PLAN)
+    _use(order, PLAN)
+    _use(order, OTHER)  # a warm-up run outside the capture
     calls.capturing.add(OTHER)
-    for _ in range(2):
-        order.before_run(OTHER)
-        order.after_run(OTHER)
-    assert calls.waits == [(OTHER, 1), (OTHER, 1)]  # each becomes a node of the graph being captured
-    assert calls.records == [(1, PLAN)]
+    for _ in range(2):  # each capture gets its own wait node, even on the last call's stream
+        _use(order, OTHER)
+    assert calls.waits == [(OTHER, 1, False)] * 3
+    assert [ptr for _, ptr in calls.records] == [PLAN, OTHER]  # nothing recorded inside the captures
+    calls.capturing.clear()
+    _use(order, PLAN)  # the next plan follows the last work outside the captures
+    assert calls.waits[-1] == (PLAN, 1, False)
 
 
 def test_the_legacy_default_stream_has_two_handles(calls):
     order = streams.StreamOrder()
-    order.planned(0)
-    order.before_run(1)
-    order.after_run(1)
-    assert calls.waits == [] and calls.records == [(1, 0)]
-    assert streams.same_stream(0, 1) and not streams.same_stream(1, 2)
+    _use(order, 0)
+    _use(order, 1)
+    assert calls.waits == []
+    assert streams.stream_key(0) == streams.stream_key(1) != streams.stream_key(2)
+
+
+def test_the_per_thread_default_stream_differs_between_threads(calls):
+    order = streams.StreamOrder()
+    _use(order, 2)
+    _use(order, 2)
+    assert calls.waits == []
+    worker = threading.Thread(target=_use, args=(order, 2))
+    worker.start()
+    worker.join()
+    assert calls.waits == [(2, 1, False)]  # another thread's default stream: it waits
 
 
 def test_wait_for_producer(calls):
@@ -118,17 +97,29 @@ def test_wait_for_producer(calls):
     streams.wait_for_producer(PLAN, OTHER, held)
     streams.wait_for_producer(PLAN, THIRD, held)
     assert calls.records == [(1, PLAN), (1, PLAN)]  # one event per producer stream, reused
-    assert calls.waits == [(OTHER, 1), (THIRD, 1)]
+    assert calls.waits == [(OTHER, 1, False), (THIRD, 1, False)]
 
 
-@pytest.mark.parametrize("capturing, flags", [(False, 0), (True, 1)])
-def test_a_wait_under_capture_becomes_an_external_event_node(monkeypatch, capturing, flags):
+def test_wait_for_producer_in_the_same_capture_is_a_graph_edge(calls):
+    calls.capturing.update({PLAN, OTHER})
+    streams.wait_for_producer(PLAN, OTHER, {})
+    assert calls.waits == [(OTHER, 1, True)]
+
+
+def test_wait_for_producer_refuses_the_legacy_stream_under_capture(calls):
+    calls.capturing.add(OTHER)
+    with pytest.raises(RuntimeError, match="legacy default stream"):
+        streams.wait_for_producer(1, OTHER, {})
+    assert calls.records == []
+
+
+@pytest.mark.parametrize("waiter_capturing, in_capture, flags", [(False, False, 0), (True, False, 1), (True, True, 0)])
+def test_a_wait_under_capture_becomes_an_event_wait_node(monkeypatch, waiter_capturing, in_capture, flags):
     import cupy
 
     runtime = cupy.cuda.runtime
     seen = []
-    monkeypatch.setattr(runtime, "streamIsCapturing",
-                        lambda ptr: runtime.streamCaptureStatusActive if capturing else runtime.streamCaptureStatusNone)
+    monkeypatch.setattr(runtime, "streamIsCapturing", lambda ptr: waiter_capturing)
     monkeypatch.setattr(runtime, "streamWaitEvent", lambda ptr, event, flags: seen.append((ptr, event, flags)))
-    streams._wait(OTHER, types.SimpleNamespace(ptr=0xE0))
+    streams._wait(OTHER, types.SimpleNamespace(ptr=0xE0), in_capture=in_capture)
     assert seen == [(OTHER, 0xE0, flags)]

@@ -106,6 +106,16 @@ def test_tensor_copy_kernels_compile_for_sm90(changes):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("cluster, head_dim, group", [(9, 128, 4), (5, 64, 8), (14, 256, 2)])
+def test_whole_row_clusters_of_sizes_other_than_powers_of_two_compile(cluster, head_dim, group):
+    # The planner's whole-row clusters (e.g. 9 on an H200 for 8 K/V heads) are compiled on first use.
+    spec = default_spec("sm_90", head_dim, group).replace(cluster=cluster)
+    result = compile_cubin(spec, use_disk_cache=False)
+    assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
+    assert f"__cluster_dims__({cluster}, 1, 1)" in result.source
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("variant", ["dense", "split"])
 def test_tokens_on_the_mma_rows_compile_for_sm90(head_dim, variant):

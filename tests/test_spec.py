@@ -135,6 +135,20 @@ def test_cluster_inbox_sits_past_the_rings_and_the_combine():
     assert plain.smem_bytes == plain.inbox_offset  # no inbox without a cluster
 
 
+@pytest.mark.parametrize("cluster", range(2, 17))
+def test_every_cluster_size_covers_the_output_in_aligned_slices(cluster):
+    # Whole-row clusters take any size up to 16: member r merges elements [r S, (r + 1) S), pushed
+    # four at a time, so S is a multiple of 4 and the members together cover all of G x D (members
+    # past the end own nothing, but still count every member's log-sum-exps on their barrier).
+    for head_dim in HEAD_DIMS:
+        for group in (1, 2, 4, 8, 16):
+            spec = default_spec("sm_90", head_dim, group).replace(cluster=cluster)
+            size = group * head_dim
+            assert spec.cluster_slice % 4 == 0 and spec.cluster_slice > 0
+            assert cluster * spec.cluster_slice >= size > (cluster * spec.cluster_slice) - 4 * cluster
+            assert f"-k{cluster}" in spec.name
+
+
 def test_steal_tiles_needs_split_cp_async_and_a_counter_reset():
     assert KernelSpec(steal_tiles=4).name.endswith("-st4")
     assert not KernelSpec(steal_tiles=0).name.endswith("-st0")

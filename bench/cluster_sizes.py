@@ -41,15 +41,11 @@ def whole_row_clusters(runtime, size: int):
         runtime.fit_clusters = chosen
 
 
-def largest_resident(spec, rows: int):
-    """The largest cluster size whose clusters are all resident for ``rows`` rows (None: none)."""
-    from splitkv.codegen.load import load_kernel
-    from splitkv.codegen.occupancy import max_active_clusters
-
+def largest_resident(attn, rows: int):
+    """The largest cluster size whose clusters are all resident for ``rows`` rows of ``attn``'s
+    split program (None: none)."""
     for size in range(16, 1, -1):
-        candidate = spec.replace(variant="split", cluster=size)
-        function, _ = load_kernel(candidate)
-        if (max_active_clusters(function, size, candidate.threads, candidate.smem_bytes) or 0) >= rows:
+        if (attn._max_active_clusters(size) or 0) >= rows:
             return size
     return None
 
@@ -82,7 +78,7 @@ def main(argv=None) -> int:
         print(f"{shape.label}: read floor {floor_us:.2f} µs", flush=True)
         spec = default_spec(arch, dim, hq // hkv)
         if not wanted:
-            top = largest_resident(spec, batch * hkv)
+            top = largest_resident(DecodeAttention(hq, hkv, dim), batch * hkv)
             wanted = sorted({s for s in (top, 8, 4) if top is not None and s <= top}, reverse=True)
         variants = []
         for size in [None, *wanted]:

@@ -356,8 +356,6 @@ class DecodeAttention:
 #: only the last few layouts and streams are kept.
 _instances: OrderedDict[tuple, DecodeAttention] = OrderedDict()
 _MAX_INSTANCES = 16
-#: cudaStreamPerThread: the handle of the calling thread's own default stream.
-_PER_THREAD_STREAM = 2
 _instances_lock = threading.Lock()
 
 
@@ -393,7 +391,7 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
         # GPU never share partials, counters or lengths; calls on one stream run in order, and
         # the lock keeps each call's plan and run together on the host.
         # The per-thread default stream has one handle in every thread, but is a stream per thread.
-        thread = threading.get_ident() if launch_stream == _PER_THREAD_STREAM else None
+        thread = threading.get_ident() if launch_stream == streams.PER_THREAD_DEFAULT else None
         key = (device, launch_stream, thread, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
                shapes.q_dtype, shapes.kv_dtype, sm_scale)
         with _instances_lock:

@@ -20,7 +20,7 @@ _WAIT_EXTERNAL = 1
 #: torch call 0.
 _LEGACY_DEFAULT = 1
 #: cudaStreamPerThread: one handle, and in every thread that thread's own default stream.
-_PER_THREAD_DEFAULT = 2
+PER_THREAD_DEFAULT = 2
 
 _streams: dict[tuple, object] = {}
 
@@ -76,8 +76,8 @@ def stream_key(ptr: int):
     legacy default stream, and 2 names the calling thread's own default stream."""
     if ptr == _LEGACY_DEFAULT:
         return 0
-    if ptr == _PER_THREAD_DEFAULT:
-        return (_PER_THREAD_DEFAULT, threading.get_ident())
+    if ptr == PER_THREAD_DEFAULT:
+        return (PER_THREAD_DEFAULT, threading.get_ident())
     return ptr
 
 

@@ -240,8 +240,8 @@ def test_decode_gives_each_thread_its_own_instance_on_the_per_thread_stream(fake
     import threading
 
     q, k, v = _qkv(1, 8, 2, 128, 16)
-    runtime.decode(q, k, v, stream=runtime._PER_THREAD_STREAM)
-    worker = threading.Thread(target=runtime.decode, args=(q, k, v), kwargs={"stream": runtime._PER_THREAD_STREAM})
+    runtime.decode(q, k, v, stream=streams.PER_THREAD_DEFAULT)
+    worker = threading.Thread(target=runtime.decode, args=(q, k, v), kwargs={"stream": streams.PER_THREAD_DEFAULT})
     worker.start()
     worker.join()
     runtime.decode(q, k, v, stream=5)

@@ -74,9 +74,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     harness = Harness(args.iters, 5, 256 << 20)
-    floor = ReadFloor(1 << 30)
+    shapes = parse_shapes(args.shapes)
+    floor = ReadFloor(max(s.total_bytes for s in shapes))  # the largest shape's bytes, however large
     rows = []
-    for shape in parse_shapes(args.shapes):
+    for shape in shapes:
         b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
         q, k, v, out = random_bf16_qkv(shape)
         attn = DecodeAttention(hq, hkv, d)

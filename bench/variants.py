@@ -1,13 +1,15 @@
 """Time variants of splitkv's program and plan side by side, per shape, under the benchmark's protocol.
 
 Each variant is a comma list of KernelSpec fields replaced in the built-in spec (as the
-benchmark's ``--specs``), plus two plan keys: ``splits=N`` forces the split variant with N splits
-(the planner still picks the cluster size), ``splits=0`` forces the dense program. An empty
+benchmark's ``--specs``), plus plan keys: ``splits=N`` forces the split variant with N splits
+(the planner still picks the cluster size), ``splits=0`` forces the dense program, and
+``warp_heads=1`` or ``0`` forces a dense plan's warp per K/V head on or off. An empty
 variant ("") is splitkv as shipped. No peers, no correctness check: this is for choosing among
 variants; the benchmark and the GPU tests vouch for what ships.
 
     python bench/variants.py --shapes 1:8:1:128:64k --variants "" cluster=1 "cluster=1,splits=32"
     python bench/variants.py --shapes 64:32:8:128:1k --variants "" "tile_tokens=32,chunk_size=128,stages=2,splits=0"
+    python bench/variants.py --shapes 64:32:8:128:1k --variants "splits=0,warp_heads=0" "splits=0,warp_heads=1"
     python bench/variants.py --shapes 1:32:8:128:4k --variants "" cluster=1 --rounds 4   # differences under 1 µs
 
 Needs a GPU and CuPy.
@@ -24,20 +26,25 @@ from splitkv.floor import ReadFloor
 from splitkv.heuristics import default_spec
 
 
-def parse_variant(text: str) -> tuple[dict, int | None]:
-    """'cluster=1,splits=32' -> ({'cluster': 1}, 32); the spec fields are checked as --specs checks them."""
+def parse_variant(text: str) -> tuple[dict, dict]:
+    """'cluster=1,splits=32,warp_heads=0' -> ({'cluster': 1}, {'splits': 32, 'warp_heads': False}); the
+    spec fields are checked as --specs checks them."""
     pairs = [p for p in text.split(",") if p.strip()]
-    splits = None
+    plan_keys: dict = {}
     rest = []
     for pair in pairs:
-        key, _, value = pair.partition("=")
-        if key.strip() == "splits":
-            splits = int(value)
-            if splits < 0:
+        key, _, value = (part.strip() for part in pair.partition("="))
+        if key == "splits":
+            plan_keys["splits"] = int(value)
+            if plan_keys["splits"] < 0:
                 raise ValueError(f"variant {text!r}: splits must be >= 0 (0: dense)")
+        elif key == "warp_heads":
+            if value not in ("0", "1"):
+                raise ValueError(f"variant {text!r}: warp_heads must be 0 or 1")
+            plan_keys["warp_heads"] = value == "1"
         else:
             rest.append(pair)
-    return (parse_spec_override(",".join(rest)) if rest else {}), splits
+    return (parse_spec_override(",".join(rest)) if rest else {}), plan_keys
 
 
 def round_order(count: int, round_index: int) -> list[int]:
@@ -76,12 +83,14 @@ def main(argv=None) -> int:
             floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
         print(f"{shape.label}: read floor {floor_us:.1f} µs", flush=True)
         planned = []  # every variant compiled and planned before any is timed
-        for text, changes, splits in variants:
+        for text, changes, plan_keys in variants:
             spec = default_spec("sm_" + cupy.cuda.Device().compute_capability, d, hq // hkv).replace(**changes) \
                 if changes else None
             attn = DecodeAttention(hq, hkv, d, spec=spec)
+            splits = plan_keys.get("splits")
             variant = None if splits is None else ("dense" if splits == 0 else "split")
-            attn.plan([n] * b, variant=variant, num_splits=splits or None, stream=harness.stream)
+            attn.plan([n] * b, variant=variant, num_splits=splits or None, warp_heads=plan_keys.get("warp_heads"),
+                      stream=harness.stream)
             planned.append(attn)
         medians = [[] for _ in planned]
         for r in range(args.rounds):

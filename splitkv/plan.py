@@ -43,6 +43,9 @@ CLUSTER_SPLIT_BYTES = 256 * 1024
 WHOLE_ROW_SHARE = (0.48, 0.55)
 #: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) lost 0.8% at 32/32 64k.
 MIN_WHOLE_ROW_CLUSTER = 4
+#: `pack_heads` gives each warp of the dense program its own K/V head when the CTAs that leaves
+#: still number at least this share of the SMs (one wave, as B=16 x 4k's 128 CTAs on 132 SMs).
+WARP_HEADS_SHARE = 0.9
 
 
 def whole_row_ctas(num_sms: int) -> tuple[int, int]:
@@ -67,6 +70,10 @@ class SplitPlan:
     tokens_per_split`` of that line, which may cover the end of one row and the start of the next;
     ``num_splits`` is then the most CTAs any row is covered by, and ``splits_per_seq[b]`` the most
     of any of sequence b's rows.
+
+    ``heads_per_cta > 1`` (dense only, see ``pack_heads``): each CTA serves that many consecutive
+    K/V heads of one sequence, one per warp, so the grid has ``num_kv_heads / heads_per_cta`` CTAs
+    per sequence.
     """
 
     variant: str
@@ -75,6 +82,7 @@ class SplitPlan:
     splits_per_seq: np.ndarray
     num_ctas: int
     row_tokens: int = 0
+    heads_per_cta: int = 1
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -88,13 +96,14 @@ class SplitPlan:
     def __eq__(self, other):
         if not isinstance(other, SplitPlan):
             return NotImplemented
-        return (self.variant, self.tokens_per_split, self.num_splits, self.num_ctas, self.row_tokens) == (
-            other.variant, other.tokens_per_split, other.num_splits, other.num_ctas, other.row_tokens
-        ) and np.array_equal(self.splits_per_seq, other.splits_per_seq)
+        return self._scalars() == other._scalars() and np.array_equal(self.splits_per_seq, other.splits_per_seq)
 
     def __hash__(self):
-        return hash((self.variant, self.tokens_per_split, self.num_splits, self.num_ctas, self.row_tokens,
-                     self.splits_per_seq.tobytes()))
+        return hash((self._scalars(), self.splits_per_seq.tobytes()))
+
+    def _scalars(self) -> tuple:
+        return (self.variant, self.tokens_per_split, self.num_splits, self.num_ctas, self.row_tokens,
+                self.heads_per_cta)
 
 
 def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max_splits=None):
@@ -236,6 +245,29 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
     return plan, 1
 
 
+def pack_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int, num_sms: int, force: bool | None = None) -> SplitPlan:
+    """A dense plan whose CTAs each serve ``warps`` consecutive K/V heads, one per warp, where that
+    still gives at least `WARP_HEADS_SHARE` of the SMs a CTA; else ``plan`` unchanged.
+
+    Why: a dense batch of many rows runs in several waves of one-row CTAs, and the last wave's CTAs
+    start and end out of step. With a row per warp, B=64 x 8 K/V heads is one wave of 128 CTAs,
+    each streaming four rows side by side, as B=16 x 4k (the same bytes in 128 one-row CTAs) does
+    (H200: 74.6 µs against 76.3 for B=64 x 1k; BENCHMARKS.md, 0396000). ``force`` True or False
+    overrides the share (True still needs ``num_kv_heads`` to be a multiple of ``warps``).
+    """
+    if plan.variant != "dense" or force is False:
+        return plan
+    if warps < 2 or num_kv_heads % warps:
+        if force:
+            raise ValueError(f"warp_heads: num_kv_heads {num_kv_heads} is not a multiple of the dense program's "
+                             f"{warps} warps")
+        return plan
+    ctas = plan.num_ctas // warps
+    if not force and ctas < WARP_HEADS_SHARE * num_sms:
+        return plan
+    return dataclasses.replace(plan, heads_per_cta=warps, num_ctas=ctas)
+
+
 def span_plan(seq_lens, num_kv_heads, *, tile_tokens, num_ctas):
     """A split plan in which every CTA streams the same number of tiles, whichever rows they lie in.
 
@@ -284,7 +316,8 @@ def describe(plan: SplitPlan) -> str:
         return (f"split across rows: B={batch}, {plan.num_ctas} CTAs of {plan.tokens_per_split} tokens over rows of "
                 f"{plan.row_tokens} (up to {plan.num_splits} CTAs per row)")
     if plan.variant == "dense":
-        return f"dense: B={batch}, up to {plan.tokens_per_split} tokens, {plan.num_ctas} CTAs"
+        heads = f", {plan.heads_per_cta} K/V heads per CTA" if plan.heads_per_cta > 1 else ""
+        return f"dense: B={batch}, up to {plan.tokens_per_split} tokens, {plan.num_ctas} CTAs{heads}"
     return (f"split: B={batch}, {plan.num_splits} x {plan.tokens_per_split} tokens "
             f"(splits/seq {int(counts.min())}..{int(counts.max())}), {plan.num_ctas} CTAs")
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from . import streams, tensors
 from .heuristics import default_spec, resident_ctas_per_sm
-from .plan import SplitPlan, describe, fit_clusters, fixed_plan, plan_splits, span_plan, whole_row_ctas
+from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
+                   whole_row_ctas)
 from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 
@@ -91,7 +92,7 @@ class DecodeAttention:
                 raise ValueError(f"{name}: {given.name} does not match head_dim={head_dim}, group={self.group_size}, "
                                  f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
         base = spec or default_spec(self.arch, *layout)
-        self.split_spec = base.replace(arch=self.arch, variant="split")
+        self.split_spec = base.replace(arch=self.arch, variant="split", warp_heads=False)
         if dense_spec is not None:
             self.dense_spec = dense_spec.replace(arch=self.arch).as_dense()
         elif spec is None:  # the built-in shapes differ between the programs
@@ -109,13 +110,15 @@ class DecodeAttention:
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
     def plan(self, seq_lens, max_len: int | None = None, *, variant: str | None = None,
-             num_splits: int | None = None, stream=None) -> SplitPlan:
+             num_splits: int | None = None, warp_heads: bool | None = None, stream=None) -> SplitPlan:
         """Choose dense or split for these lengths, compile what that needs, size the workspace.
 
         ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
         given, bounds the lengths; for a device ``seq_lens`` the plan also covers it, so lengths
         rewritten in place may grow up to it between CUDA-graph replays. ``variant`` (and
-        ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning.
+        ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning;
+        so does ``warp_heads`` (True or False) for a dense plan's warp per K/V head (see
+        ``plan.pack_heads``).
         ``stream``: where the lengths and the zeroed counters are written (a CuPy or torch stream,
         or a handle). Default: torch's current stream for a torch ``seq_lens``, else the current
         CuPy stream of this instance's device. run() may launch on other streams: the GPU keeps
@@ -127,11 +130,11 @@ class DecodeAttention:
             plan_stream = tensors.stream_ptr(seq_lens if on_device else None, stream)
             with streams.use_stream(plan_stream):
                 capturing = self._order.enter(plan_stream)  # after earlier runs on other streams
-                plan = self._plan(seq_lens, max_len, variant, num_splits)
+                plan = self._plan(seq_lens, max_len, variant, num_splits, warp_heads)
                 self._order.leave(plan_stream, capturing)
         return plan
 
-    def _plan(self, seq_lens, max_len, variant, num_splits) -> SplitPlan:
+    def _plan(self, seq_lens, max_len, variant, num_splits, warp_heads) -> SplitPlan:
         from .codegen.load import load_kernel
 
         lens = self._host_lengths(seq_lens, max_len)
@@ -151,7 +154,13 @@ class DecodeAttention:
         else:
             plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
-        spec = self.dense_spec
+        if warp_heads is not None and not isinstance(warp_heads, bool):
+            raise TypeError(f"warp_heads: expected None, True or False, got {warp_heads!r}")
+        if warp_heads and plan.variant != "dense":
+            raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; "
+                             f"this plan is {describe(plan)}")
+        plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps, num_sms=self.num_sms, force=warp_heads)
+        spec = self.dense_spec.replace(warp_heads=plan.heads_per_cta > 1)
         if plan.variant == "split":
             plan, cluster = fit_clusters(plan, host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                          max_cluster=self.split_spec.cluster,
@@ -196,7 +205,7 @@ class DecodeAttention:
             device_lens = self._buffer("seq_lens", batch, np.int32)
             device_lens.set(lens)
         workspace = (partial_o, partial_lse, counters)
-        grid, span_args = (plan.num_splits, self.num_kv_heads, batch), ()
+        grid, span_args = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch), ()
         if plan.row_tokens:  # CTAs span rows: a line of CTAs over all rows' tiles
             grid = (plan.num_ctas, 1, 1)
             span_args = (np.int32(batch * self.num_kv_heads), np.int32(plan.row_tokens // spec.tile_tokens),

@@ -132,6 +132,9 @@ class KernelSpec:
     draws blocks of ``steal_tiles`` consecutive tiles from a per-row counter, so that CTAs which
     stream faster take over the slower ones' tokens (the result then depends on which warp took
     which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter.
+    ``warp_heads`` (dense only): each warp serves its own K/V head over the whole sequence, so a
+    CTA serves ``warps`` consecutive K/V heads of one sequence and its warps have nothing to
+    combine; for batches with enough rows that a quarter as many CTAs still fill the GPU.
     """
 
     arch: str = "sm_90"
@@ -150,6 +153,7 @@ class KernelSpec:
     steal_tiles: int = 0
     mma_m: str = "heads"
     span_rows: bool = False
+    warp_heads: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
@@ -199,6 +203,10 @@ class KernelSpec:
                                or self.steal_tiles or self.kv_copy != "cp_async"):
             raise ValueError("span_rows: needs the split variant with cluster=1, fused_merge=True, "
                              "steal_tiles=0 and kv_copy='cp_async'")
+        if not isinstance(self.warp_heads, bool):
+            raise TypeError(f"warp_heads: expected a bool, got {self.warp_heads!r}")
+        if self.warp_heads and self.variant != "dense":
+            raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; use variant='dense'")
         limit = ARCHS[arch_number(self.arch)].smem_per_cta
         if self.smem_bytes + self.static_smem_bytes > limit:
             raise SharedMemoryError(
@@ -288,7 +296,7 @@ class KernelSpec:
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' or '-tma'
         appended when K/V arrive through bulk or tensor copies, '-st4' when warps steal tiles 4 at a time, '-mt' when
-        tokens fill the MMA rows, '-span' when CTAs span rows)."""
+        tokens fill the MMA rows, '-span' when CTAs span rows, '-wh' when each warp serves its own K/V head)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
@@ -296,7 +304,8 @@ class KernelSpec:
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
                 + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}")
                 + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
-                + ("-mt" if self.mma_m == "tokens" else "") + ("-span" if self.span_rows else ""))
+                + ("-mt" if self.mma_m == "tokens" else "") + ("-span" if self.span_rows else "")
+                + ("-wh" if self.warp_heads else ""))
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)

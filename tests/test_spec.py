@@ -176,6 +176,17 @@ def test_span_rows_needs_split_cluster_1_fused_merge_and_cp_async():
         KernelSpec(cluster=1, span_rows=1)
 
 
+def test_warp_heads_is_a_dense_layout():
+    spec = KernelSpec(variant="dense", warp_heads=True)
+    assert spec.name.endswith("-wh") and not KernelSpec(variant="dense").name.endswith("-wh")
+    assert spec.smem_bytes == KernelSpec(variant="dense").smem_bytes  # the same rings and states
+    assert spec.as_dense() == spec
+    with pytest.raises(ValueError, match="warp_heads"):
+        KernelSpec(variant="split", warp_heads=True)
+    with pytest.raises(TypeError, match="warp_heads"):
+        KernelSpec(variant="dense", warp_heads=1)
+
+
 def test_clusters_need_sm90():
     with pytest.raises(ValueError, match="cluster"):
         KernelSpec(arch="sm_80", cluster=2)

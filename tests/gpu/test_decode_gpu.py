@@ -104,7 +104,7 @@ def check_close(out, lse, ref_out, ref_lse, lens, dtype, label, tol_dtype=None):
 
 
 def run_case(head_dim, group, lens, *, variant=None, num_splits=None, dtype="bf16", num_kv_heads=2,
-             max_len=None, spec_changes=None, q_scale=1.0, nan_tail=False, expect_cluster=None):
+             max_len=None, spec_changes=None, q_scale=1.0, nan_tail=False, expect_cluster=None, warp_heads=None):
     lens = [int(n) for n in lens]
     max_len = max_len or max(max(lens), 1)
     batch = len(lens)
@@ -122,7 +122,9 @@ def run_case(head_dim, group, lens, *, variant=None, num_splits=None, dtype="bf1
     if spec_changes:
         spec = default_spec("sm_90", head_dim, group, dtype, dtype).replace(**spec_changes)
     attn = DecodeAttention(num_qo, num_kv_heads, head_dim, q_dtype=dtype, kv_dtype=dtype, spec=spec)
-    plan = attn.plan(lens, variant=variant, num_splits=num_splits)
+    plan = attn.plan(lens, variant=variant, num_splits=num_splits, warp_heads=warp_heads)
+    if warp_heads is not None:  # the layout the test is about was really planned
+        assert attn._launch.spec.warp_heads == warp_heads and (plan.heads_per_cta > 1) == warp_heads, attn.plan_info
     if expect_cluster == "several":  # rows of more than one cluster each
         assert 1 < attn._launch.spec.cluster < plan.num_splits, attn.plan_info
     elif expect_cluster == "whole_row":  # one cluster per row, of any size
@@ -327,6 +329,25 @@ def test_whole_row_clusters_of_any_size(head_dim, group, lens, num_kv_heads):
     print(f"{len(lens)} x {num_kv_heads} rows: clusters of {plan.num_splits}")
 
 
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("group", [1, 4, 8, 16])
+def test_a_warp_per_kv_head(head_dim, group):
+    # Each warp streams its own K/V head: ragged rows side by side in one CTA, empty ones included.
+    lens = [0, 1, 7, 129, 1000, 1000 + 77, 4096, 33]
+    run_case(head_dim, group, lens, variant="dense", num_kv_heads=8, warp_heads=True)
+    run_case(head_dim, group, lens[1:4], variant="dense", num_kv_heads=4, warp_heads=True, nan_tail=True)
+
+
+@pytest.mark.parametrize("kv_copy", ["cp_async", "tma"])
+def test_planner_gives_batches_of_many_rows_a_warp_per_kv_head(kv_copy):
+    # 64 ragged sequences x 8 K/V heads: the planner's own choice, 128 CTAs of four rows each.
+    lens = _rng("many rows", kv_copy).integers(0, 1500, size=64)
+    plan = run_case(128, 4, lens, num_kv_heads=8, spec_changes={"kv_copy": kv_copy}, warp_heads=None)
+    assert plan.variant == "dense" and plan.heads_per_cta == 4 and plan.num_ctas == 128
+    run_case(128, 4, lens, variant="dense", num_kv_heads=8, spec_changes={"kv_copy": kv_copy}, warp_heads=False)
+    run_case(64, 2, lens, variant="dense", num_kv_heads=8, dtype="fp16", warp_heads=True)
+
+
 def test_planner_takes_several_clusters_for_rows_of_many_splits():
     # One K/V head over a long context: more splits than one cluster, merged in two levels.
     plan = run_case(128, 8, [65536], num_kv_heads=1, expect_cluster="several")
@@ -419,12 +440,14 @@ def test_empty_cache_and_empty_batch():
     assert out.shape == (0, 8, 128) and lse.shape == (0, 8)
 
 
-@pytest.mark.parametrize("changes, num_kv, lens", [({}, 4, [3000, 17, 8000, 0]),
-                                                  ({"kv_copy": "cp_async", "steal_tiles": 4}, 4, [3000, 17, 8000, 0]),
-                                                  ({"kv_copy": "cp_async", "steal_tiles": 4}, 1, [8000, 17, 3000, 0]),
-                                                  ({"cluster": 1, "span_rows": True, "kv_copy": "cp_async"}, 4, [3000, 17, 8000, 0]),
-                                                  ({"kv_copy": "tma"}, 4, [3000, 17, 8000, 0])])
-def test_cuda_graph_capture_and_replay(changes, num_kv, lens):
+@pytest.mark.parametrize("changes, num_kv, lens, variant", [
+    ({}, 4, [3000, 17, 8000, 0], "split"),
+    ({"kv_copy": "cp_async", "steal_tiles": 4}, 4, [3000, 17, 8000, 0], "split"),
+    ({"kv_copy": "cp_async", "steal_tiles": 4}, 1, [8000, 17, 3000, 0], "split"),
+    ({"cluster": 1, "span_rows": True, "kv_copy": "cp_async"}, 4, [3000, 17, 8000, 0], "split"),
+    ({"kv_copy": "tma"}, 4, [3000, 17, 8000, 0], "split"),
+    ({}, 4, [3000, 17, 8000, 0], "dense, a warp per K/V head")])
+def test_cuda_graph_capture_and_replay(changes, num_kv, lens, variant):
     # With steal_tiles the per-row tile counters must be back at zero after every launch; with one
     # K/V head the 8000-token row spans several clusters, so the merge counter is reset by the
     # last CTA of a two-level merge; with span_rows CTAs cross rows and count for two rows.
@@ -439,8 +462,12 @@ def test_cuda_graph_capture_and_replay(changes, num_kv, lens):
     cupy.cuda.Device().synchronize()  # the inputs were written on the default stream, which `stream` does not wait for
     # Reads the lengths and zeroes the counters on `stream`. One K/V head: 32 splits of 256 tokens,
     # more than the resident clusters of 16, 8 or 4 hold for 4 rows, so pairs of splits.
-    plan = attn.plan(device_lens, variant="split", num_splits=32 if num_kv == 1 else None, stream=stream)
-    assert plan.variant == "split"
+    if variant == "split":
+        plan = attn.plan(device_lens, variant="split", num_splits=32 if num_kv == 1 else None, stream=stream)
+    else:
+        plan = attn.plan(device_lens, variant="dense", warp_heads=True, stream=stream)
+        assert attn._launch.spec.warp_heads and plan.heads_per_cta == 4, attn.plan_info
+    assert plan.variant == variant.split(",")[0]
     if num_kv == 1:
         assert 1 < attn._launch.spec.cluster < plan.num_splits, attn.plan_info
     out = cupy.empty((4, num_kv * group, dim), cupy.uint16)

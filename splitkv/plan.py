@@ -43,9 +43,6 @@ CLUSTER_SPLIT_BYTES = 256 * 1024
 WHOLE_ROW_SHARE = (0.48, 0.55)
 #: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) lost 0.8% at 32/32 64k.
 MIN_WHOLE_ROW_CLUSTER = 4
-#: `pack_heads` gives each warp of the dense program its own K/V head when the CTAs that leaves
-#: still number at least this share of the SMs (one wave, as B=16 x 4k's 128 CTAs on 132 SMs).
-WARP_HEADS_SHARE = 0.9
 
 
 def whole_row_ctas(num_sms: int) -> tuple[int, int]:
@@ -245,27 +242,21 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
     return plan, 1
 
 
-def pack_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int, num_sms: int, force: bool | None = None) -> SplitPlan:
-    """A dense plan whose CTAs each serve ``warps`` consecutive K/V heads, one per warp, where that
-    still gives at least `WARP_HEADS_SHARE` of the SMs a CTA; else ``plan`` unchanged.
+def pack_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int) -> SplitPlan:
+    """``plan`` (dense) with each CTA serving ``warps`` consecutive K/V heads of one sequence, one
+    per warp (``KernelSpec.warp_heads``), so the grid has a ``warps``-th as many CTAs.
 
-    Why: a dense batch of many rows runs in several waves of one-row CTAs, and the last wave's CTAs
-    start and end out of step. With a row per warp, B=64 x 8 K/V heads is one wave of 128 CTAs,
-    each streaming four rows side by side, as B=16 x 4k (the same bytes in 128 one-row CTAs) does
-    (H200: 74.6 µs against 76.3 for B=64 x 1k; BENCHMARKS.md, 0396000). ``force`` True or False
-    overrides the share (True still needs ``num_kv_heads`` to be a multiple of ``warps``).
+    Opt-in (``DecodeAttention.plan(warp_heads=True)``), not a planner choice: on an H200 (BENCHMARKS.md,
+    0a4c5a3) B=64 x 1k x 8 K/V heads ran 0.3 µs faster than 512 one-row CTAs (76.9 against 77.3 µs,
+    within the spread between runs), B=128 x 512 1.5 µs slower (256 CTAs, two waves), and batches
+    of fewer rows leave SMs idle. It stays for per-shape tuning tables.
     """
-    if plan.variant != "dense" or force is False:
-        return plan
+    if plan.variant != "dense":
+        raise ValueError(f"warp_heads: a warp per K/V head is a layout of the dense program; this plan is {describe(plan)}")
     if warps < 2 or num_kv_heads % warps:
-        if force:
-            raise ValueError(f"warp_heads: num_kv_heads {num_kv_heads} is not a multiple of the dense program's "
-                             f"{warps} warps")
-        return plan
-    ctas = plan.num_ctas // warps
-    if not force and ctas < WARP_HEADS_SHARE * num_sms:
-        return plan
-    return dataclasses.replace(plan, heads_per_cta=warps, num_ctas=ctas)
+        raise ValueError(f"warp_heads: num_kv_heads {num_kv_heads} is not a multiple of the dense program's "
+                         f"{warps} warps")
+    return dataclasses.replace(plan, heads_per_cta=warps, num_ctas=plan.num_ctas // warps)
 
 
 def span_plan(seq_lens, num_kv_heads, *, tile_tokens, num_ctas):

@@ -117,8 +117,8 @@ class DecodeAttention:
         given, bounds the lengths; for a device ``seq_lens`` the plan also covers it, so lengths
         rewritten in place may grow up to it between CUDA-graph replays. ``variant`` (and
         ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning;
-        so does ``warp_heads`` (True or False) for a dense plan's warp per K/V head (see
-        ``plan.pack_heads``).
+        ``warp_heads=True`` gives a dense plan's warps a K/V head each (see ``plan.pack_heads``;
+        opt-in, for tuning).
         ``stream``: where the lengths and the zeroed counters are written (a CuPy or torch stream,
         or a handle). Default: torch's current stream for a torch ``seq_lens``, else the current
         CuPy stream of this instance's device. run() may launch on other streams: the GPU keeps
@@ -156,10 +156,8 @@ class DecodeAttention:
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
         if warp_heads is not None and not isinstance(warp_heads, bool):
             raise TypeError(f"warp_heads: expected None, True or False, got {warp_heads!r}")
-        if warp_heads and plan.variant != "dense":
-            raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; "
-                             f"this plan is {describe(plan)}")
-        plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps, num_sms=self.num_sms, force=warp_heads)
+        if warp_heads:
+            plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps)
         spec = self.dense_spec.replace(warp_heads=plan.heads_per_cta > 1)
         if plan.variant == "split":
             plan, cluster = fit_clusters(plan, host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,

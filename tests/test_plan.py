@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitkv.plan import (WARP_HEADS_SHARE, SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits,
+from splitkv.plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits,
                           span_plan, span_row_ctas, whole_row_ctas)
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
@@ -119,38 +119,20 @@ def test_dense_cases():
     assert empty.tokens_per_split == 64 and list(empty.splits_per_seq) == [1, 1]
 
 
-@given(problems(), st.integers(1, 8), st.sampled_from([None, False, True]))
+@given(problems(), st.integers(1, 8))
 @settings(max_examples=300, deadline=None)
-def test_pack_heads_invariants(problem, warps, force):
+def test_pack_heads_invariants(problem, warps):
     plan = run(problem)
-    heads, sms = problem["num_kv_heads"], problem["num_sms"]
-    fits = plan.variant == "dense" and warps > 1 and heads % warps == 0
-    if force and plan.variant == "dense" and not fits:
+    heads = problem["num_kv_heads"]
+    if plan.variant != "dense" or warps < 2 or heads % warps:
         with pytest.raises(ValueError, match="warp_heads"):
-            pack_heads(plan, heads, warps=warps, num_sms=sms, force=force)
+            pack_heads(plan, heads, warps=warps)
         return
-    packed = pack_heads(plan, heads, warps=warps, num_sms=sms, force=force)
-    if packed.heads_per_cta == 1:  # unchanged, and rightly so
-        assert packed == plan
-        assert not fits or force is False or (force is None and plan.num_ctas // warps < WARP_HEADS_SHARE * sms)
-        return
-    # Packed: a dense plan whose CTAs each take `warps` whole rows; nothing else changes.
-    assert fits and force is not False and packed.heads_per_cta == warps
-    assert packed.num_ctas * warps == plan.num_ctas
-    assert force or packed.num_ctas >= WARP_HEADS_SHARE * sms
-    assert dataclasses.replace(packed, heads_per_cta=1, num_ctas=plan.num_ctas) == plan
-    assert "4 K/V heads per CTA" in describe(packed) if warps == 4 else True
-
-
-def test_pack_heads_takes_the_batches_that_still_fill_a_wave():
-    def dense(batch, length):
-        return plan_splits([length] * batch, 8, chunk_size=128, num_sms=132, ctas_per_sm=1)
-    assert pack_heads(dense(64, 1024), 8, warps=4, num_sms=132).heads_per_cta == 4  # 128 CTAs
-    assert pack_heads(dense(128, 512), 8, warps=4, num_sms=132).num_ctas == 256
-    assert pack_heads(dense(16, 4096), 8, warps=4, num_sms=132).heads_per_cta == 1  # 32 CTAs: too few
-    split = plan_splits([65536], 8, chunk_size=128, num_sms=132, ctas_per_sm=1)
-    assert split.variant == "split" and pack_heads(split, 8, warps=4, num_sms=132, force=True) == split
-    assert pack_heads(dense(64, 1024), 8, warps=4, num_sms=132) != dense(64, 1024)  # equality sees the field
+    # A dense plan whose CTAs each take `warps` whole rows; nothing else changes.
+    packed = pack_heads(plan, heads, warps=warps)
+    assert packed.heads_per_cta == warps and packed.num_ctas * warps == plan.num_ctas
+    assert packed != plan and dataclasses.replace(packed, heads_per_cta=1, num_ctas=plan.num_ctas) == plan
+    assert f"{warps} K/V heads per CTA" in describe(packed)
 
 
 GOOD = dict(seq_lens=[5, 300], num_kv_heads=2, chunk_size=32, num_sms=8, ctas_per_sm=1)

@@ -252,7 +252,8 @@ def pack_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int) -> SplitPlan:
     of fewer rows leave SMs idle. It stays for per-shape tuning tables.
     """
     if plan.variant != "dense":
-        raise ValueError(f"warp_heads: a warp per K/V head is a layout of the dense program; this plan is {describe(plan)}")
+        raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; "
+                         f"this plan is {describe(plan)}")
     if warps < 2 or num_kv_heads % warps:
         raise ValueError(f"warp_heads: num_kv_heads {num_kv_heads} is not a multiple of the dense program's "
                          f"{warps} warps")

@@ -44,6 +44,8 @@ def parse_variant(text: str) -> tuple[dict, dict]:
             plan_keys["warp_heads"] = value == "1"
         else:
             rest.append(pair)
+    if plan_keys.get("warp_heads") and plan_keys.get("splits") != 0:
+        raise ValueError(f"variant {text!r}: warp_heads=1 is a dense layout; add splits=0")
     return (parse_spec_override(",".join(rest)) if rest else {}), plan_keys
 
 
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L (L may be written 4k)")
-    parser.add_argument("--variants", nargs="+", default=[""], help='field=value,...[,splits=N]; "" = as shipped')
+    parser.add_argument("--variants", nargs="+", default=[""], help='field=value,...[,splits=N][,warp_heads=0|1]; "" = as shipped')
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every variant this many times, in a rotating order (see round_order; "

@@ -84,6 +84,10 @@ class SplitPlan:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"variant: expected one of {list(VARIANTS)}, got {self.variant!r}")
+        if isinstance(self.heads_per_cta, bool) or not isinstance(self.heads_per_cta, int) or self.heads_per_cta < 1:
+            raise ValueError(f"heads_per_cta: expected a positive int, got {self.heads_per_cta!r}")
+        if self.heads_per_cta > 1 and self.variant != "dense":
+            raise ValueError(f"heads_per_cta: {self.heads_per_cta} K/V heads per CTA is a layout of the dense program")
         # A read-only private copy keeps a frozen plan frozen even if the caller's array changes.
         counts = np.array(self.splits_per_seq, dtype=np.int32)
         counts.setflags(write=False)
@@ -254,7 +258,9 @@ def pack_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int) -> SplitPlan:
     if plan.variant != "dense":
         raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; "
                          f"this plan is {describe(plan)}")
-    if warps < 2 or num_kv_heads % warps:
+    if warps < 2:
+        raise ValueError(f"warp_heads: the dense program has {warps} warp(s); a warp per K/V head needs at least 2")
+    if num_kv_heads % warps:
         raise ValueError(f"warp_heads: num_kv_heads {num_kv_heads} is not a multiple of the dense program's "
                          f"{warps} warps")
     return dataclasses.replace(plan, heads_per_cta=warps, num_ctas=plan.num_ctas // warps)

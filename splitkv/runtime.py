@@ -91,8 +91,11 @@ class DecodeAttention:
             if given is not None and (given.head_dim, given.group_size, given.q_dtype, given.kv_dtype) != layout:
                 raise ValueError(f"{name}: {given.name} does not match head_dim={head_dim}, group={self.group_size}, "
                                  f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
+            if given is not None and given.warp_heads:
+                raise ValueError(f"{name}: warp_heads is chosen per plan, not per instance; "
+                                 "use plan(..., warp_heads=True)")
         base = spec or default_spec(self.arch, *layout)
-        self.split_spec = base.replace(arch=self.arch, variant="split", warp_heads=False)
+        self.split_spec = base.replace(arch=self.arch, variant="split")
         if dense_spec is not None:
             self.dense_spec = dense_spec.replace(arch=self.arch).as_dense()
         elif spec is None:  # the built-in shapes differ between the programs
@@ -137,6 +140,8 @@ class DecodeAttention:
     def _plan(self, seq_lens, max_len, variant, num_splits, warp_heads) -> SplitPlan:
         from .codegen.load import load_kernel
 
+        if warp_heads is not None and not isinstance(warp_heads, bool):
+            raise TypeError(f"warp_heads: expected None, True or False, got {warp_heads!r}")
         lens = self._host_lengths(seq_lens, max_len)
         batch = lens.size
         host_lens = lens  # what the plan covers
@@ -154,8 +159,6 @@ class DecodeAttention:
         else:
             plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
-        if warp_heads is not None and not isinstance(warp_heads, bool):
-            raise TypeError(f"warp_heads: expected None, True or False, got {warp_heads!r}")
         if warp_heads:
             plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps)
         spec = self.dense_spec.replace(warp_heads=plan.heads_per_cta > 1)

@@ -135,6 +135,20 @@ def test_pack_heads_invariants(problem, warps):
     assert f"{warps} K/V heads per CTA" in describe(packed)
 
 
+def test_plans_that_differ_only_in_heads_per_cta_differ():
+    plan = plan_splits([1024] * 64, 8, chunk_size=128, num_sms=132, ctas_per_sm=1)
+    other = dataclasses.replace(plan, heads_per_cta=4)  # same CTA count on purpose: only the field differs
+    assert plan != other and len({plan, other}) == 2
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="heads_per_cta"):
+            dataclasses.replace(plan, heads_per_cta=bad)
+    split = plan_splits([65536], 8, chunk_size=128, num_sms=132, ctas_per_sm=1)
+    with pytest.raises(ValueError, match="heads_per_cta"):
+        dataclasses.replace(split, heads_per_cta=4)
+    with pytest.raises(ValueError, match="at least 2"):
+        pack_heads(plan, 8, warps=1)
+
+
 GOOD = dict(seq_lens=[5, 300], num_kv_heads=2, chunk_size=32, num_sms=8, ctas_per_sm=1)
 
 

@@ -323,6 +323,9 @@ def test_warp_heads_is_refused_where_it_cannot_run(fake_gpu):
         attn.plan([5000], variant="split", num_splits=4, warp_heads=True)
     with pytest.raises(TypeError, match="warp_heads"):
         attn.plan([1024] * 64, warp_heads=1)
+    dense_wh = default_spec("sm_90", 128, 4, variant="dense").replace(warp_heads=True)
+    with pytest.raises(ValueError, match="warp_heads is chosen per plan"):
+        runtime.DecodeAttention(32, 8, 128, dense_spec=dense_wh)
     odd = runtime.DecodeAttention(12, 6, 128)  # 6 K/V heads do not fill CTAs of 4 warps
     with pytest.raises(ValueError, match="num_kv_heads 6 is not a multiple"):
         odd.plan([100] * 2, variant="dense", warp_heads=True)

@@ -332,7 +332,7 @@ def test_whole_row_clusters_of_any_size(head_dim, group, lens, num_kv_heads):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("group", [1, 4, 8, 16])
 def test_a_warp_per_kv_head(head_dim, group):
-    # Each warp streams its own K/V head: ragged rows side by side in one CTA, empty ones included.
+    # Each warp streams its own K/V head of the CTA's sequence; ragged sequences, empty ones included.
     lens = [0, 1, 7, 129, 1000, 1000 + 77, 4096, 33]
     run_case(head_dim, group, lens, variant="dense", num_kv_heads=8, warp_heads=True)
     run_case(head_dim, group, lens[1:4], variant="dense", num_kv_heads=4, warp_heads=True, nan_tail=True)

@@ -11,6 +11,7 @@ so it can be captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -128,14 +129,20 @@ class DecodeAttention:
         plans and runs in call order whatever streams they use (an event after each; a call on
         another stream than the one before waits for it; the host never waits).
         """
-        on_device = tensors.is_device_array(seq_lens)
+        with self._in_call_order(seq_lens if tensors.is_device_array(seq_lens) else None, stream):
+            return self._plan(seq_lens, max_len, variant, num_splits, warp_heads)
+
+    @contextlib.contextmanager
+    def _in_call_order(self, like, stream):
+        """For one plan() or run(): this instance's device current, and the call's stream (``stream``,
+        else that of ``like``, see ``tensors.stream_ptr``) current and ordered after the previous
+        plan or run when that used another stream; yields the stream's handle."""
         with streams.on_device(self.device):  # CuPy's current stream is the device's own
-            plan_stream = tensors.stream_ptr(seq_lens if on_device else None, stream)
-            with streams.use_stream(plan_stream):
-                capturing = self._order.enter(plan_stream)  # after earlier runs on other streams
-                plan = self._plan(seq_lens, max_len, variant, num_splits, warp_heads)
-                self._order.leave(plan_stream, capturing)
-        return plan
+            ptr = tensors.stream_ptr(like, stream)
+            with streams.use_stream(ptr):
+                capturing = self._order.enter(ptr)
+                yield ptr
+                self._order.leave(ptr, capturing)
 
     def _plan(self, seq_lens, max_len, variant, num_splits, warp_heads) -> SplitPlan:
         from .codegen.load import load_kernel
@@ -161,7 +168,7 @@ class DecodeAttention:
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
         if warp_heads:
             plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps)
-        spec = self.dense_spec.replace(warp_heads=plan.heads_per_cta > 1)
+        spec = self.dense_spec.replace(warp_heads=True) if plan.heads_per_cta > 1 else self.dense_spec
         if plan.variant == "split":
             plan, cluster = fit_clusters(plan, host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                          max_cluster=self.split_spec.cluster,
@@ -285,18 +292,13 @@ class DecodeAttention:
         launch = self._launch
         if launch is None:
             raise RuntimeError("run() before plan(): call plan(seq_lens) first")
-        with streams.on_device(self.device):  # CuPy's current stream is the device's own
-            launch_stream = tensors.stream_ptr(q, stream)
-            with streams.use_stream(launch_stream):
-                # After the plan's writes and earlier runs, when those were on other streams.
-                capturing = self._order.enter(launch_stream)
-                # Allocated on the launch stream: a pool hands the block out again only after this launch.
-                if out is None:
-                    out = _new_output(q, stream=launch_stream)
-                if return_lse and lse is None:
-                    lse = _new_output(q, lse=True, stream=launch_stream)
-                self._launch_on_current_stream(launch, q, k, v, out, lse, launch_stream)
-                self._order.leave(launch_stream, capturing)
+        with self._in_call_order(q, stream) as launch_stream:
+            # Allocated on the launch stream: a pool hands the block out again only after this launch.
+            if out is None:
+                out = _new_output(q, stream=launch_stream)
+            if return_lse and lse is None:
+                lse = _new_output(q, lse=True, stream=launch_stream)
+            self._launch_on_current_stream(launch, q, k, v, out, lse, launch_stream)
         return (out, lse) if return_lse else out
 
     def _launch_on_current_stream(self, launch: _Launch, q, k, v, out, lse, launch_stream: int) -> None:

@@ -195,16 +195,12 @@ class KernelSpec:
         if self.steal_tiles and not self.fused_merge:
             raise ValueError("steal_tiles: the fused merge (or the cluster merge) resets the tile counters; "
                              "use fused_merge=True")
-        if not isinstance(self.fused_merge, bool):
-            raise TypeError(f"fused_merge: expected a bool, got {self.fused_merge!r}")
-        if not isinstance(self.span_rows, bool):
-            raise TypeError(f"span_rows: expected a bool, got {self.span_rows!r}")
+        for switch in ("fused_merge", "span_rows", "warp_heads"):
+            _check_bool(switch, getattr(self, switch))
         if self.span_rows and (self.variant != "split" or self.cluster != 1 or not self.fused_merge
                                or self.steal_tiles or self.kv_copy != "cp_async"):
             raise ValueError("span_rows: needs the split variant with cluster=1, fused_merge=True, "
                              "steal_tiles=0 and kv_copy='cp_async'")
-        if not isinstance(self.warp_heads, bool):
-            raise TypeError(f"warp_heads: expected a bool, got {self.warp_heads!r}")
         if self.warp_heads and self.variant != "dense":
             raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; use variant='dense'")
         limit = ARCHS[arch_number(self.arch)].smem_per_cta
@@ -364,3 +360,8 @@ def _normalise_ints(spec, fields) -> None:
 def _check_choice(arg: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{arg}: expected one of {list(allowed)}, got {value!r}")
+
+
+def _check_bool(arg: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg}: expected a bool, got {value!r}")

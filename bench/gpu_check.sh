@@ -36,7 +36,7 @@ fi
 
 if wants timeline; then
 echo "timeline -> $out/timeline.log"
-"$py" bench/timeline.py > "$out/timeline.log" 2>&1 && cat "$out/timeline.log"
+"$py" bench/timeline.py --placement 2 > "$out/timeline.log" 2>&1 && cat "$out/timeline.log"
 fi
 
 if wants ablate; then

@@ -8,6 +8,7 @@ Ablations (bench/ablate.py) say what a part costs; this says where in the launch
 
     python bench/timeline.py                         # B=1, 32/8, D=128 at 1k and 64k
     python bench/timeline.py --shapes 1:32:8:128:16k --samples 50
+    python bench/timeline.py --shapes 1:32:8:128:64k --placement 3   # where the clusters ran
 
 Needs a GPU and CuPy. The stamps add a few instructions per phase, not per tile.
 """
@@ -25,6 +26,8 @@ import numpy as np
 PHASES = ("start", "all warps streamed", "warps combined", "pushed / partials written", "merge inputs ready",
           "done")
 _SLOTS = 8
+#: The slot that holds 1 + the SM a CTA ran on (stamped with phase 0).
+_SM_SLOT = _SLOTS - 1
 _PROBE = r'''
 __device__ unsigned long long splitkv_probe[{ctas}][{slots}];
 __device__ __forceinline__ void splitkv_stamp(int phase) {{
@@ -32,6 +35,11 @@ __device__ __forceinline__ void splitkv_stamp(int phase) {{
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     if (threadIdx.x == 0) splitkv_probe[cta][phase] = t;
+    if (threadIdx.x == 0 && phase == 0) {{
+        unsigned sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        splitkv_probe[cta][{sm_slot}] = sm + 1;
+    }}
 }}
 '''
 
@@ -62,7 +70,7 @@ def patched_source(source: str, num_ctas: int) -> str:
     head, sep, body = source.partition('#include "merge.cuh"\n')
     if not sep:
         raise ValueError("timeline: the decode program's include anchor moved")
-    out = head + sep + _PROBE.format(ctas=num_ctas, slots=_SLOTS) + body
+    out = head + sep + _PROBE.format(ctas=num_ctas, slots=_SLOTS, sm_slot=_SM_SLOT) + body
     for anchor, phase in _AFTER:
         out = out.replace(anchor, anchor + f"    splitkv_stamp({phase});\n", 1)
     for anchor, code in _BEFORE:
@@ -77,6 +85,7 @@ def patched_source(source: str, num_ctas: int) -> str:
 def summarise(stamps: np.ndarray) -> list[str]:
     """Rows of the table from stamps [samples, ctas, slots] (ns, 0 = phase not reached)."""
     rows = []
+    stamps = stamps[:, :, :len(PHASES)]
     start = np.where(stamps[:, :, 0] > 0, stamps[:, :, 0], np.iinfo(np.int64).max).min(axis=1)
     rel = (stamps - start[:, None, None]) / 1e3
     rel[stamps == 0] = np.nan
@@ -91,6 +100,27 @@ def summarise(stamps: np.ndarray) -> list[str]:
     return rows
 
 
+def placement(stamps: np.ndarray, cluster: int, groups: list[list[int]]) -> list[str]:
+    """Per sample, where each cluster (``cluster`` consecutive CTAs) ran, as the index of its SM
+    group (`splitkv.cluster_layout`), and when its last CTA finished streaming (µs after the first
+    CTA started), then how many clusters each group held."""
+    group_of = {sm: index for index, group in enumerate(groups) for sm in group}
+    rows = []
+    for index, sample in enumerate(stamps):
+        start = sample[:, 0][sample[:, 0] > 0].min()
+        held: dict[int, int] = {}
+        cells = []
+        for first in range(0, len(sample), cluster):
+            members = sample[first:first + cluster]
+            where = sorted({group_of.get(int(sm) - 1, -1) for sm in members[:, _SM_SLOT] if sm > 0})
+            for group in where:
+                held[group] = held.get(group, 0) + 1
+            cells.append(f"{'/'.join(map(str, where))}@{(members[:, 1].max() - start) / 1e3:.1f}")
+        rows.append(f"  sample {index}: group@streamed " + " ".join(cells))
+        rows.append("    clusters per group: " + ", ".join(f"{g}: {n}" for g, n in sorted(held.items())))
+    return rows
+
+
 def main(argv=None) -> int:
     import cupy
 
@@ -102,7 +132,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:64k"])
     parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--placement", type=int, default=0, metavar="N",
+                        help="also print, for the first N samples, the SM group each cluster ran on "
+                             "(splitkv.cluster_layout) and when it finished streaming")
     args = parser.parse_args(argv)
+    groups = None
+    if args.placement:
+        from splitkv import cluster_layout
+
+        layout = cluster_layout.probe()
+        groups = layout["sm_groups"]
+        print(cluster_layout.describe(layout))
+        for index, group in enumerate(groups):
+            print(f"  group {index}: SMs {group}")
 
     harness = Harness(args.samples, 3, 256 << 20)
     for shape in parse_shapes(args.shapes):
@@ -126,6 +168,8 @@ def main(argv=None) -> int:
                 stamps.append(probe.get().astype(np.int64))
         print(f"{shape.label}: {attn.plan_info}")
         print("\n".join(summarise(np.stack(stamps))), flush=True)
+        if groups is not None:
+            print("\n".join(placement(np.stack(stamps[:args.placement]), launch.spec.cluster, groups)), flush=True)
     return 0
 
 

@@ -34,7 +34,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .spec import KernelSpec
+from . import cluster_layout
+from .spec import KernelSpec, arch_number
 
 # ---------------------------------------------------------------------------------------------
 # Shapes
@@ -542,6 +543,8 @@ def render_markdown(result: dict) -> str:
     if copy.get("gbps"):
         lines.append(f"Copy bandwidth (device-to-device, {copy.get('bytes', 0) / 2**30:.0f} GiB, "
                      f"read + written): {copy['gbps']:.0f} GB/s.")
+    if gpu.get("cluster_layout"):
+        lines.append(cluster_layout.describe(gpu["cluster_layout"]) + ".")
     lines.append(f"Timing: CUDA events around each call on one stream, L2 flushed "
                  f"({proto.get('flush_bytes', 0) / 2**20:.0f} MiB memset) before every call, "
                  f"median of {proto.get('iters', '?')} calls after {proto.get('warmup', '?')} warm-up "
@@ -1189,6 +1192,15 @@ def gpu_info() -> dict:
     return info
 
 
+def cluster_layout_or_none(arch: str) -> dict | None:
+    """`cluster_layout.probe` where the GPU has clusters (sm_90+), else None. Where thread-block
+    clusters land differs between chips of one model, and the whole-row cluster plans with it
+    (BENCHMARKS.md), so every result records it."""
+    if arch_number(arch) < 90:
+        return None
+    return cluster_layout.probe()
+
+
 def software_info(torch_mod) -> dict:
     import cupy
 
@@ -1334,6 +1346,7 @@ def main(argv=None) -> int:
     now = _dt.datetime.now(_dt.timezone.utc)
     commit, dirty = (args.commit, None) if args.commit else git_commit()
     gpu = gpu_info()
+    gpu["cluster_layout"] = cluster_layout_or_none(gpu["arch"])
     flush_bytes = max(args.flush_mb * 2**20, 2 * gpu["l2_bytes"])
     result = {
         "schema": 1,
@@ -1364,6 +1377,8 @@ def main(argv=None) -> int:
     _print(f"{gpu['name']}: {gpu['sm_count']} SMs, {gpu['arch']}, L2 {gpu['l2_bytes'] / 2**20:.0f} MiB, "
            f"driver {gpu['driver_version'] or '?'} (CUDA {gpu['driver_cuda_version']}); commit {commit}"
            + (" (uncommitted changes)" if dirty else ""))
+    if gpu["cluster_layout"] is not None:
+        _print(cluster_layout.describe(gpu["cluster_layout"]))
     if torch is None:
         _print(f"torch unavailable ({torch_error}): CuPy inputs, no peers")
 

@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 
 from splitkv import bench, floor
@@ -558,3 +559,18 @@ def test_probe_kernels_compile_for_sm90_without_a_gpu(probe, defines, kernels):
     ptx = _ptx_for_sm90(source, f"{probe}.cu")
     for name in kernels:
         assert f".entry {name}" in ptx
+
+
+def test_timeline_placement_names_each_clusters_group_and_stream_end():
+    timeline = _bench_tool("timeline")
+    # One sample, two clusters of two CTAs: SMs 0 and 1 (group 0), SMs 4 and 5 (group 1); the
+    # slot of the SM holds the SM + 1. Phase 1 (streamed) at 3 and 5 µs, then 4 and 9 µs.
+    stamps = np.zeros((1, 4, timeline._SLOTS), np.int64)
+    stamps[0, :, 0] = [1000, 1000, 1200, 1100]
+    stamps[0, :, 1] = [4000, 6000, 5000, 10000]
+    stamps[0, :, timeline._SM_SLOT] = [1, 2, 5, 6]
+    rows = timeline.placement(stamps, 2, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    assert rows[0] == "  sample 0: group@streamed 0@5.0 1@9.0"
+    assert rows[1] == "    clusters per group: 0: 1, 1: 1"
+    # The SM slot is not a phase: the summary ignores it.
+    assert all("streamed" in r or "start" in r for r in timeline.summarise(stamps)[:2])

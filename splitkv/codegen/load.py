@@ -44,10 +44,16 @@ def load_module(spec: KernelSpec | MergeSpec, *, source: str | None = None):
     # The 48 KB a CTA gets without opting in counts static and dynamic shared memory together.
     if smem + getattr(spec, "static_smem_bytes", 0) > _DEFAULT_SMEM_LIMIT:
         function.max_dynamic_shared_size_bytes = smem
-    if getattr(spec, "cluster", 1) > _PORTABLE_CLUSTER:
-        from cupy_backends.cuda.api import driver
-
-        driver.funcSetAttribute(function.kernel.ptr, _NON_PORTABLE_CLUSTER_ATTRIBUTE, 1)
+    allow_cluster_size(function, getattr(spec, "cluster", 1))
     with _lock:
         _loaded[key] = (module, function, result)
     return module, function, result
+
+
+def allow_cluster_size(function, cluster: int) -> None:
+    """Let ``function`` (a CuPy kernel) launch in clusters of ``cluster`` CTAs: sizes above the
+    portable 8 need the kernel's opt-in."""
+    if cluster > _PORTABLE_CLUSTER:
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(function.kernel.ptr, _NON_PORTABLE_CLUSTER_ATTRIBUTE, 1)

@@ -43,6 +43,10 @@ CLUSTER_SPLIT_BYTES = 256 * 1024
 WHOLE_ROW_SHARE = (0.48, 0.55)
 #: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) lost 0.8% at 32/32 64k.
 MIN_WHOLE_ROW_CLUSTER = 4
+#: The planner gives each warp of the dense program its own K/V head (`pack_heads`) when the CTAs
+#: that leaves still number at least this share of the SMs: one wave or more, as B=16 x 4k's 128
+#: one-row CTAs on 132 SMs. Fewer CTAs leave SMs idle (B=32 x 2k, 64 CTAs: no gain on an H200).
+WARP_HEADS_SHARE = 0.9
 
 
 def whole_row_ctas(num_sms: int) -> tuple[int, int]:
@@ -246,14 +250,24 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
     return plan, 1
 
 
+def wants_packed_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int, num_sms: int) -> bool:
+    """Whether the planner packs this plan's heads (`pack_heads`): a dense plan, K/V heads a
+    multiple of the dense program's warps (at least 2), and at least `WARP_HEADS_SHARE` of the
+    SMs still get a CTA.
+
+    Why: a dense batch of many rows runs in several waves of one-row CTAs. With a row per warp,
+    B=64 x 1k x 8 K/V heads is one wave of 128 CTAs, each streaming four rows side by side. On an
+    H200 (BENCHMARKS.md, this layout) that took 75.7 µs against 77.5 for 512 one-row CTAs, and
+    B=128 x 512 (two waves of 128) 77.9 against 77.9.
+    """
+    return (plan.variant == "dense" and warps >= 2 and num_kv_heads % warps == 0
+            and plan.num_ctas // warps >= WARP_HEADS_SHARE * num_sms)
+
+
 def pack_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int) -> SplitPlan:
     """``plan`` (dense) with each CTA serving ``warps`` consecutive K/V heads of one sequence, one
-    per warp (``KernelSpec.warp_heads``), so the grid has a ``warps``-th as many CTAs.
-
-    Opt-in (``DecodeAttention.plan(warp_heads=True)``), not a planner choice: on an H200 (BENCHMARKS.md,
-    0a4c5a3) B=64 x 1k x 8 K/V heads ran 0.3 µs faster than 512 one-row CTAs (76.9 against 77.3 µs,
-    within the spread between runs), B=128 x 512 1.5 µs slower (256 CTAs, two waves), and batches
-    of fewer rows leave SMs idle. It stays for per-shape tuning tables.
+    per warp (``KernelSpec.warp_heads``), so the grid has a ``warps``-th as many CTAs. The planner
+    takes it where `wants_packed_heads` says; ``DecodeAttention.plan(warp_heads=...)`` overrides.
     """
     if plan.variant != "dense":
         raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; "

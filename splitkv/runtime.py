@@ -23,7 +23,7 @@ import numpy as np
 from . import streams, tensors
 from .heuristics import default_spec, resident_ctas_per_sm
 from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
-                   whole_row_ctas)
+                   wants_packed_heads, whole_row_ctas)
 from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 
@@ -121,8 +121,8 @@ class DecodeAttention:
         given, bounds the lengths; for a device ``seq_lens`` the plan also covers it, so lengths
         rewritten in place may grow up to it between CUDA-graph replays. ``variant`` (and
         ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning;
-        ``warp_heads=True`` gives a dense plan's warps a K/V head each (see ``plan.pack_heads``;
-        opt-in, for tuning).
+        ``warp_heads`` True or False overrides whether a dense plan's warps get a K/V head each
+        (None: the planner's choice, ``plan.wants_packed_heads``).
         ``stream``: where the lengths and the zeroed counters are written (a CuPy or torch stream,
         or a handle). Default: torch's current stream for a torch ``seq_lens``, else the current
         CuPy stream of this instance's device. run() may launch on other streams: the GPU keeps
@@ -166,6 +166,8 @@ class DecodeAttention:
         else:
             plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
+        if warp_heads is None:
+            warp_heads = wants_packed_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps, num_sms=self.num_sms)
         if warp_heads:
             plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps)
         spec = self.dense_spec.replace(warp_heads=True) if plan.heads_per_cta > 1 else self.dense_spec

@@ -49,6 +49,9 @@ def test_default_set_covers_the_vocabulary():
     assert {s.head_dim for s in decode} == {64, 96, 128, 256}
     assert {s.group_size for s in decode} == {1, 2, 4, 8, 16}
     assert {s.variant for s in decode} == {"dense", "split"}
+    # The dense program in both layouts the planner picks from (a row per CTA, a row per warp).
+    dense = [s for s in decode if s.variant == "dense"]
+    assert {s.name for s in dense if s.warp_heads} == {s.replace(warp_heads=True).name for s in dense if not s.warp_heads}
     assert {s.kv_dtype for s in decode} == {"bf16", "fp16"}
     assert len({s.name for s in DEFAULT_SET}) == len(DEFAULT_SET), "names must be unique"
     assert sum(isinstance(s, MergeSpec) for s in DEFAULT_SET) == 8

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitkv.plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits,
-                          span_plan, span_row_ctas, whole_row_ctas)
+from splitkv.plan import (WARP_HEADS_SHARE, SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits,
+                          span_plan, span_row_ctas, wants_packed_heads, whole_row_ctas)
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
 # Short batches of short sequences on a small GPU reach the split path far more often.
@@ -133,6 +133,29 @@ def test_pack_heads_invariants(problem, warps):
     assert packed.heads_per_cta == warps and packed.num_ctas * warps == plan.num_ctas
     assert packed != plan and dataclasses.replace(packed, heads_per_cta=1, num_ctas=plan.num_ctas) == plan
     assert f"{warps} K/V heads per CTA" in describe(packed)
+
+
+@given(problems(), st.integers(1, 8))
+@settings(max_examples=300, deadline=None)
+def test_the_planner_packs_heads_only_where_a_wave_stays_full(problem, warps):
+    plan = run(problem)
+    heads, sms = problem["num_kv_heads"], problem["num_sms"]
+    wanted = wants_packed_heads(plan, heads, warps=warps, num_sms=sms)
+    packable = plan.variant == "dense" and warps >= 2 and heads % warps == 0
+    assert wanted == (packable and plan.num_ctas // warps >= WARP_HEADS_SHARE * sms)
+    if wanted:  # and what it wants, pack_heads can do
+        assert pack_heads(plan, heads, warps=warps).num_ctas >= WARP_HEADS_SHARE * sms
+
+
+def test_the_planner_packs_the_batches_that_still_fill_a_wave():
+    def dense(batch, length):
+        return plan_splits([length] * batch, 8, chunk_size=128, num_sms=132, ctas_per_sm=1)
+    assert wants_packed_heads(dense(64, 1024), 8, warps=4, num_sms=132)  # 128 CTAs
+    assert wants_packed_heads(dense(128, 512), 8, warps=4, num_sms=132)  # 256 CTAs
+    assert not wants_packed_heads(dense(16, 4096), 8, warps=4, num_sms=132)  # 32 CTAs: too few
+    assert not wants_packed_heads(dense(64, 1024), 6, warps=4, num_sms=132)  # heads not a multiple
+    split = plan_splits([65536], 8, chunk_size=128, num_sms=132, ctas_per_sm=1)
+    assert split.variant == "split" and not wants_packed_heads(split, 8, warps=4, num_sms=132)
 
 
 def test_plans_that_differ_only_in_heads_per_cta_differ():

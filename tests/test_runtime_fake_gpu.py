@@ -298,22 +298,25 @@ def test_a_plan_that_grows_the_workspace_first_waits_for_the_last_run(fake_gpu):
     assert fake_gpu.host_waits and set(fake_gpu.host_waits) == {fake_gpu.event_records[0][0]}
 
 
-def test_a_warp_per_kv_head_is_opt_in(fake_gpu):
-    # 64 sequences x 8 K/V heads: the planner keeps a row per CTA (512 CTAs); asked, it gives each
-    # warp a K/V head, 128 CTAs of four rows.
+def test_batches_of_many_rows_get_a_warp_per_kv_head(fake_gpu):
+    # 64 sequences x 8 K/V heads: 512 one-row CTAs would take four waves on 132 SMs; a warp per
+    # K/V head makes it 128 CTAs of four rows each.
     attn = runtime.DecodeAttention(32, 8, 128, q_dtype="fp16", kv_dtype="fp16")  # the fake arrays' type
     q, k, v = _qkv(64, 32, 8, 128, 1024)
     plan = attn.plan([1024] * 64)
-    assert plan.variant == "dense" and plan.heads_per_cta == 1 and plan.num_ctas == 512
-    plan = attn.plan([1024] * 64, warp_heads=True)
     assert plan.variant == "dense" and plan.heads_per_cta == 4 and plan.num_ctas == 128
     attn.run(q, k, v, out=_DeviceArray((64, 32, 128)))
     (launch,) = fake_gpu.launches
     assert launch.spec.warp_heads and launch.spec.name.endswith("-wh")
     assert launch.grid == (1, 2, 64)
+    # 16 sequences (128 rows) would leave 32 CTAs: one row per CTA, as before.
+    plan = attn.plan([4096] * 16)
+    assert plan.variant == "dense" and plan.heads_per_cta == 1
+    attn.run(*_qkv(16, 32, 8, 128, 4096), out=_DeviceArray((16, 32, 128)))
+    assert not fake_gpu.launches[-1].spec.warp_heads and fake_gpu.launches[-1].grid == (1, 8, 16)
 
 
-def test_warp_heads_is_refused_where_it_cannot_run(fake_gpu):
+def test_warp_heads_can_be_forced_either_way_and_is_refused_where_it_cannot_run(fake_gpu):
     attn = runtime.DecodeAttention(32, 8, 128)
     assert attn.plan([1024] * 64, warp_heads=False).heads_per_cta == 1
     assert attn._launch.grid == (1, 8, 64) and not attn._launch.spec.warp_heads
@@ -329,3 +332,4 @@ def test_warp_heads_is_refused_where_it_cannot_run(fake_gpu):
     odd = runtime.DecodeAttention(12, 6, 128)  # 6 K/V heads do not fill CTAs of 4 warps
     with pytest.raises(ValueError, match="num_kv_heads 6 is not a multiple"):
         odd.plan([100] * 2, variant="dense", warp_heads=True)
+    assert odd.plan([1024] * 200).heads_per_cta == 1  # the planner just keeps a row per CTA

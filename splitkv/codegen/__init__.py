@@ -17,8 +17,9 @@ DEFAULT_GROUP_SIZES = (1, 2, 4, 8, 16)
 
 def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> list:
     """The kernel set ``splitkv-gen --arch ARCH`` builds: for every head_dim, group size and dtype
-    (queries in the K/V dtype), the dense and split decode programs in their built-in CTA shape,
-    and the merge program per head_dim and output dtype."""
+    (queries in the K/V dtype), the dense and split decode programs in their built-in CTA shape
+    (the dense one also with a warp per K/V head, which the planner takes for batches of many
+    rows), and the merge program per head_dim and output dtype."""
     arch = parse_arch(arch)
     head_dims = tuple(head_dims or HEAD_DIMS)
     group_sizes = tuple(group_sizes or DEFAULT_GROUP_SIZES)
@@ -27,8 +28,11 @@ def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> 
     for dtype in kv_dtypes:
         for head_dim in head_dims:
             for group in group_sizes:
-                for variant in ("dense", "split"):
-                    specs.append(default_spec(arch, head_dim, group, dtype, dtype, variant))
+                dense = default_spec(arch, head_dim, group, dtype, dtype, "dense")
+                specs.append(dense)
+                if dense.warps > 1:  # plan.pack_heads
+                    specs.append(dense.replace(warp_heads=True))
+                specs.append(default_spec(arch, head_dim, group, dtype, dtype, "split"))
             specs.append(MergeSpec(arch=arch, head_dim=head_dim, out_dtype=dtype))
     return specs
 

@@ -9,6 +9,7 @@ Ablations (bench/ablate.py) say what a part costs; this says where in the launch
     python bench/timeline.py                         # B=1, 32/8, D=128 at 1k and 64k
     python bench/timeline.py --shapes 1:32:8:128:16k --samples 50
     python bench/timeline.py --shapes 1:32:8:128:64k --placement 3   # where the clusters ran
+    python bench/timeline.py --shapes 64:32:8:128:1k --around        # the time outside the stamps
 
 Needs a GPU and CuPy. The stamps add a few instructions per phase, not per tile.
 """
@@ -121,6 +122,30 @@ def placement(stamps: np.ndarray, cluster: int, groups: list[list[int]]) -> list
     return rows
 
 
+#: A one-thread kernel that stamps the global timer: launched right before and right after the
+#: decode with --around, it shows the time outside the decode's own stamps (its launch, and after
+#: the last stamp its CTAs' remaining work, their exit and the next launch).
+_STAMP_SOURCE = r'''
+extern "C" __global__ void splitkv_stamp_kernel(unsigned long long* at) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    *at = t;
+}
+'''
+
+
+def around(stamps: np.ndarray, before: np.ndarray, after: np.ndarray) -> str:
+    """One line, medians over samples (µs): from the stamp before the decode to its first CTA's
+    start, from there to the last stamp of any CTA, from that to the stamp after, and stamp to
+    stamp. ``stamps`` [samples, ctas, slots]; ``before``/``after`` [samples] (ns)."""
+    phases = stamps[:, :, :len(PHASES)]
+    first = np.where(phases[:, :, 0] > 0, phases[:, :, 0], np.iinfo(np.int64).max).min(axis=1)
+    last = phases.max(axis=(1, 2))
+    parts = ((first - before, "stamp to first CTA"), (last - first, "first CTA to last stamp"),
+             (after - last, "last stamp to next stamp"), (after - before, "stamp to stamp"))
+    return "  around: " + "  ".join(f"{name} {np.median(ns) / 1e3:.2f}" for ns, name in parts) + " µs"
+
+
 def main(argv=None) -> int:
     import cupy
 
@@ -135,7 +160,10 @@ def main(argv=None) -> int:
     parser.add_argument("--placement", type=int, default=0, metavar="N",
                         help="also print, for the first N samples, the SM group each cluster ran on "
                              "(splitkv.cluster_layout) and when it finished streaming")
+    parser.add_argument("--around", action="store_true",
+                        help="also stamp the timer in a kernel right before and right after the decode")
     args = parser.parse_args(argv)
+    stamp_kernel = cupy.RawKernel(_STAMP_SOURCE, "splitkv_stamp_kernel") if args.around else None
     groups = None
     if args.placement:
         from splitkv import cluster_layout
@@ -158,16 +186,25 @@ def main(argv=None) -> int:
         module, function, _ = load_module(launch.spec, source=patched_source(render(launch.spec), num_ctas))
         object.__setattr__(launch, "decode_fn", function)
         probe = cupy.ndarray((num_ctas, _SLOTS), cupy.uint64, module.get_global("splitkv_probe"))
-        stamps = []
+        stamps, outside = [], []
+        times = cupy.zeros(2, cupy.uint64)
         with harness.active():
             for _ in range(args.samples):
                 probe.fill(0)  # on the harness stream: phases a CTA skips stay 0
                 harness.flush_l2()
+                if stamp_kernel is not None:
+                    stamp_kernel((1,), (1,), (times[0:1],))
                 attn.run(q, k, v, out=out)
+                if stamp_kernel is not None:
+                    stamp_kernel((1,), (1,), (times[1:2],))
                 harness.synchronize()
                 stamps.append(probe.get().astype(np.int64))
+                outside.append(times.get().astype(np.int64))
         print(f"{shape.label}: {attn.plan_info}")
         print("\n".join(summarise(np.stack(stamps))), flush=True)
+        if stamp_kernel is not None:
+            before, after = np.stack(outside).T
+            print(around(np.stack(stamps), before, after), flush=True)
         if groups is not None:
             print("\n".join(placement(np.stack(stamps[:args.placement]), launch.spec.cluster, groups)), flush=True)
     return 0

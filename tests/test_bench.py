@@ -574,3 +574,15 @@ def test_timeline_placement_names_each_clusters_group_and_stream_end():
     assert rows[1] == "    clusters per group: 0: 1, 1: 1"
     # The SM slot is not a phase: the summary ignores it.
     assert all("streamed" in r or "start" in r for r in timeline.summarise(stamps)[:2])
+
+
+def test_timeline_around_splits_the_time_outside_the_decodes_stamps():
+    timeline = _bench_tool("timeline")
+    # Two samples; per sample the stamp before, the CTAs' start and last stamps, the stamp after.
+    stamps = np.zeros((2, 2, timeline._SLOTS), np.int64)
+    stamps[:, :, 0] = [[2000, 2500], [3000, 3100]]
+    stamps[:, :, 1] = [[9000, 12000], [10000, 13000]]
+    stamps[:, :, timeline._SM_SLOT] = 99_000  # an SM id, not a time: ignored
+    line = timeline.around(stamps, np.array([0, 1000]), np.array([15000, 16000]))
+    assert line == ("  around: stamp to first CTA 2.00  first CTA to last stamp 10.00  "
+                    "last stamp to next stamp 3.00  stamp to stamp 15.00 µs")

@@ -83,11 +83,16 @@ def patched_source(source: str, num_ctas: int) -> str:
     return out
 
 
+def first_start(stamps: np.ndarray) -> np.ndarray:
+    """Per sample, when the first CTA started (ns), from stamps [samples, ctas, slots]."""
+    return np.where(stamps[:, :, 0] > 0, stamps[:, :, 0], np.iinfo(np.int64).max).min(axis=1)
+
+
 def summarise(stamps: np.ndarray) -> list[str]:
     """Rows of the table from stamps [samples, ctas, slots] (ns, 0 = phase not reached)."""
     rows = []
     stamps = stamps[:, :, :len(PHASES)]
-    start = np.where(stamps[:, :, 0] > 0, stamps[:, :, 0], np.iinfo(np.int64).max).min(axis=1)
+    start = first_start(stamps)
     rel = (stamps - start[:, None, None]) / 1e3
     rel[stamps == 0] = np.nan
     for phase, name in enumerate(PHASES):
@@ -104,11 +109,10 @@ def summarise(stamps: np.ndarray) -> list[str]:
 def placement(stamps: np.ndarray, cluster: int, groups: list[list[int]]) -> list[str]:
     """Per sample, where each cluster (``cluster`` consecutive CTAs) ran, as the index of its SM
     group (`splitkv.cluster_layout`), and when its last CTA finished streaming (µs after the first
-    CTA started), then how many clusters each group held."""
+    CTA started; '-' where none of its CTAs streamed), then how many clusters each group held."""
     group_of = {sm: index for index, group in enumerate(groups) for sm in group}
     rows = []
-    for index, sample in enumerate(stamps):
-        start = sample[:, 0][sample[:, 0] > 0].min()
+    for index, (sample, start) in enumerate(zip(stamps, first_start(stamps))):
         held: dict[int, int] = {}
         cells = []
         for first in range(0, len(sample), cluster):
@@ -116,7 +120,8 @@ def placement(stamps: np.ndarray, cluster: int, groups: list[list[int]]) -> list
             where = sorted({group_of.get(int(sm) - 1, -1) for sm in members[:, _SM_SLOT] if sm > 0})
             for group in where:
                 held[group] = held.get(group, 0) + 1
-            cells.append(f"{'/'.join(map(str, where))}@{(members[:, 1].max() - start) / 1e3:.1f}")
+            streamed = members[:, 1].max()
+            cells.append(f"{'/'.join(map(str, where))}@" + (f"{(streamed - start) / 1e3:.1f}" if streamed else "-"))
         rows.append(f"  sample {index}: group@streamed " + " ".join(cells))
         rows.append("    clusters per group: " + ", ".join(f"{g}: {n}" for g, n in sorted(held.items())))
     return rows
@@ -138,9 +143,8 @@ def around(stamps: np.ndarray, before: np.ndarray, after: np.ndarray) -> str:
     """One line, medians over samples (µs): from the stamp before the decode to its first CTA's
     start, from there to the last stamp of any CTA, from that to the stamp after, and stamp to
     stamp. ``stamps`` [samples, ctas, slots]; ``before``/``after`` [samples] (ns)."""
-    phases = stamps[:, :, :len(PHASES)]
-    first = np.where(phases[:, :, 0] > 0, phases[:, :, 0], np.iinfo(np.int64).max).min(axis=1)
-    last = phases.max(axis=(1, 2))
+    first = first_start(stamps)
+    last = stamps[:, :, :len(PHASES)].max(axis=(1, 2))
     parts = ((first - before, "stamp to first CTA"), (last - first, "first CTA to last stamp"),
              (after - last, "last stamp to next stamp"), (after - before, "stamp to stamp"))
     return "  around: " + "  ".join(f"{name} {np.median(ns) / 1e3:.2f}" for ns, name in parts) + " µs"
@@ -187,8 +191,8 @@ def main(argv=None) -> int:
         object.__setattr__(launch, "decode_fn", function)
         probe = cupy.ndarray((num_ctas, _SLOTS), cupy.uint64, module.get_global("splitkv_probe"))
         stamps, outside = [], []
-        times = cupy.zeros(2, cupy.uint64)
         with harness.active():
+            times = cupy.zeros(2, cupy.uint64)  # the stamps before and after the decode (--around)
             for _ in range(args.samples):
                 probe.fill(0)  # on the harness stream: phases a CTA skips stay 0
                 harness.flush_l2()
@@ -199,7 +203,8 @@ def main(argv=None) -> int:
                     stamp_kernel((1,), (1,), (times[1:2],))
                 harness.synchronize()
                 stamps.append(probe.get().astype(np.int64))
-                outside.append(times.get().astype(np.int64))
+                if stamp_kernel is not None:
+                    outside.append(times.get().astype(np.int64))
         print(f"{shape.label}: {attn.plan_info}")
         print("\n".join(summarise(np.stack(stamps))), flush=True)
         if stamp_kernel is not None:

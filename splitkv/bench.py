@@ -544,7 +544,7 @@ def render_markdown(result: dict) -> str:
         lines.append(f"Copy bandwidth (device-to-device, {copy.get('bytes', 0) / 2**30:.0f} GiB, "
                      f"read + written): {copy['gbps']:.0f} GB/s.")
     if gpu.get("cluster_layout"):
-        lines.append(cluster_layout.describe(gpu["cluster_layout"]) + ".")
+        lines.append(describe_cluster_layout(gpu["cluster_layout"]) + ".")
     lines.append(f"Timing: CUDA events around each call on one stream, L2 flushed "
                  f"({proto.get('flush_bytes', 0) / 2**20:.0f} MiB memset) before every call, "
                  f"median of {proto.get('iters', '?')} calls after {proto.get('warmup', '?')} warm-up "
@@ -1192,13 +1192,24 @@ def gpu_info() -> dict:
     return info
 
 
-def cluster_layout_or_none(arch: str) -> dict | None:
-    """`cluster_layout.probe` where the GPU has clusters (sm_90+), else None. Where thread-block
-    clusters land differs between chips of one model, and the whole-row cluster plans with it
+def cluster_layout_or_none(arch: str, probe=cluster_layout.probe) -> dict | None:
+    """``probe()`` (`cluster_layout.probe`) where the GPU has clusters (sm_90+), else None; a
+    probe that fails gives ``{"error": reason}`` and the run goes on. Where thread-block clusters
+    land differs between chips of one model, and the whole-row cluster plans with it
     (BENCHMARKS.md), so every result records it."""
     if arch_number(arch) < 90:
         return None
-    return cluster_layout.probe()
+    try:
+        return probe()
+    except Exception as exc:  # noqa: BLE001 - a record, not a measurement: it must not end the run
+        return {"error": _reason(exc)}
+
+
+def describe_cluster_layout(layout: dict) -> str:
+    """The cluster layout's line in the output and the markdown (or why there is none)."""
+    if "error" in layout:
+        return f"Cluster layout not recorded ({layout['error']})"
+    return cluster_layout.describe(layout)
 
 
 def software_info(torch_mod) -> dict:
@@ -1378,7 +1389,7 @@ def main(argv=None) -> int:
            f"driver {gpu['driver_version'] or '?'} (CUDA {gpu['driver_cuda_version']}); commit {commit}"
            + (" (uncommitted changes)" if dirty else ""))
     if gpu["cluster_layout"] is not None:
-        _print(cluster_layout.describe(gpu["cluster_layout"]))
+        _print(describe_cluster_layout(gpu["cluster_layout"]))
     if torch is None:
         _print(f"torch unavailable ({torch_error}): CuPy inputs, no peers")
 

@@ -44,8 +44,9 @@ WHOLE_ROW_SHARE = (0.48, 0.55)
 #: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) lost 0.8% at 32/32 64k.
 MIN_WHOLE_ROW_CLUSTER = 4
 #: The planner gives each warp of the dense program its own K/V head (`pack_heads`) when the CTAs
-#: that leaves still number at least this share of the SMs: one wave or more, as B=16 x 4k's 128
-#: one-row CTAs on 132 SMs. Fewer CTAs leave SMs idle (B=32 x 2k, 64 CTAs: no gain on an H200).
+#: that leaves still number at least this share of the SMs: one wave or more, as B=64 x 1k x 8 K/V
+#: heads' 128 packed CTAs on 132 SMs. Fewer CTAs leave SMs idle (B=32 x 2k, 64 CTAs: no gain on an
+#: H200).
 WARP_HEADS_SHARE = 0.9
 
 

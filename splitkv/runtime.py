@@ -122,7 +122,8 @@ class DecodeAttention:
         rewritten in place may grow up to it between CUDA-graph replays. ``variant`` (and
         ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning;
         ``warp_heads`` True or False overrides whether a dense plan's warps get a K/V head each
-        (None: the planner's choice, ``plan.wants_packed_heads``).
+        (None: the planner's choice, ``plan.wants_packed_heads``, which applies to a dense plan
+        asked for through ``variant`` too).
         ``stream``: where the lengths and the zeroed counters are written (a CuPy or torch stream,
         or a handle). Default: torch's current stream for a torch ``seq_lens``, else the current
         CuPy stream of this instance's device. run() may launch on other streams: the GPU keeps

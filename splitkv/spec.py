@@ -134,7 +134,8 @@ class KernelSpec:
     which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter.
     ``warp_heads`` (dense only): each warp serves its own K/V head over the whole sequence, so a
     CTA serves ``warps`` consecutive K/V heads of one sequence and its warps have nothing to
-    combine (opt-in through ``DecodeAttention.plan(warp_heads=True)``; see ``plan.pack_heads``).
+    combine. The planner takes it per plan (``plan.wants_packed_heads``, ``plan.pack_heads``);
+    ``DecodeAttention.plan(warp_heads=...)`` overrides.
     """
 
     arch: str = "sm_90"

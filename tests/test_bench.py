@@ -572,8 +572,13 @@ def test_timeline_placement_names_each_clusters_group_and_stream_end():
     rows = timeline.placement(stamps, 2, [[0, 1, 2, 3], [4, 5, 6, 7]])
     assert rows[0] == "  sample 0: group@streamed 0@5.0 1@9.0"
     assert rows[1] == "    clusters per group: 0: 1, 1: 1"
-    # The SM slot is not a phase: the summary ignores it.
-    assert all("streamed" in r or "start" in r for r in timeline.summarise(stamps)[:2])
+    # A cluster none of whose CTAs streamed shows '-', not a time before the start.
+    stamps[0, 2:, 1] = 0
+    assert timeline.placement(stamps, 2, [[0, 1, 2, 3], [4, 5, 6, 7]])[0] == "  sample 0: group@streamed 0@5.0 1@-"
+    # The SM slot is not a phase: the summary is the same without it.
+    without_sms = stamps.copy()
+    without_sms[:, :, timeline._SM_SLOT] = 0
+    assert timeline.summarise(stamps) == timeline.summarise(without_sms)
 
 
 def test_timeline_around_splits_the_time_outside_the_decodes_stamps():
@@ -586,3 +591,22 @@ def test_timeline_around_splits_the_time_outside_the_decodes_stamps():
     line = timeline.around(stamps, np.array([0, 1000]), np.array([15000, 16000]))
     assert line == ("  around: stamp to first CTA 2.00  first CTA to last stamp 10.00  "
                     "last stamp to next stamp 3.00  stamp to stamp 15.00 µs")
+
+
+def test_cluster_layout_is_recorded_where_clusters_exist_and_a_failed_probe_does_not_end_the_run():
+    def probe():
+        return {"sm_group_sizes": [16, 8], "sm_groups": [[0], [1]], "resident_clusters": {2: 12}}
+
+    def broken():
+        raise RuntimeError("no cluster launch here")
+
+    assert bench.cluster_layout_or_none("sm_80", probe) is None
+    assert bench.cluster_layout_or_none("sm_90", probe) == probe()
+    failed = bench.cluster_layout_or_none("sm_90", broken)
+    assert failed == {"error": "RuntimeError: no cluster launch here"}
+    result = _fake_result()
+    result["gpu"]["cluster_layout"] = probe()
+    assert "SM groups of clusters 16, 8; resident clusters (one CTA per SM) 2:12." in bench.render_markdown(result)
+    result["gpu"]["cluster_layout"] = failed
+    assert "Cluster layout not recorded (RuntimeError: no cluster launch here)." in bench.render_markdown(result)
+

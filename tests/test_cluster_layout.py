@@ -37,3 +37,23 @@ def test_describe_reads_a_probe_result_and_its_json_form():
         "SM groups of clusters 18, 16, 2; resident clusters (one CTA per SM) 2:66 9:9")
     as_json = {"sm_group_sizes": [18], "resident_clusters": {"2": 66}}
     assert cluster_layout.describe(as_json).endswith("2:66")
+
+
+def test_a_launch_is_cut_into_its_clusters_in_launch_order():
+    sms = np.array([4, 5, 0, 1, 9, 8])
+    assert [list(c) for c in cluster_layout.cluster_sms(sms, 2)] == [[4, 5], [0, 1], [9, 8]]
+    with pytest.raises(ValueError, match="not whole clusters of 4"):
+        cluster_layout.cluster_sms(sms, 4)
+
+
+def test_the_probe_takes_more_than_half_an_sm_of_shared_memory_where_a_cta_may():
+    assert cluster_layout.probe_smem_bytes(228 * 1024, 227 * 1024) == 115 * 1024  # sm_90
+    assert cluster_layout.probe_smem_bytes(100 * 1024, 99 * 1024) == 51 * 1024  # sm_120
+    with pytest.raises(ValueError, match="one CTA per SM cannot be forced"):
+        cluster_layout.probe_smem_bytes(228 * 1024, 48 * 1024)
+
+
+def test_describe_marks_a_count_the_driver_could_not_give():
+    layout = {"sm_group_sizes": [8], "resident_clusters": {2: 4, 16: None}}
+    assert cluster_layout.describe(layout).endswith("2:4 16:?")
+

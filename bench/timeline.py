@@ -21,8 +21,9 @@ import argparse
 import numpy as np
 
 #: Phase stamps in program order; a CTA that skips a phase (no merge, not the last) leaves it 0.
-#: In rows of several clusters, phases 3 and 4 are those of the second, global stage (the cluster
-#: stage's stamps are overwritten), and "done" is stamped by the row's last CTA only. With span_rows
+#: In rows of several clusters, phases 3 and 4 are those of the second, global stage where a CTA
+#: reaches it (the cluster stage's stamps are overwritten), and "done" is stamped by each slice's
+#: last CTA (without clusters, by the row's last CTA). With span_rows
 #: a CTA stamps phases 2-5 once per row it meets; the second row's stamps are kept.
 PHASES = ("start", "all warps streamed", "warps combined", "pushed / partials written", "merge inputs ready",
           "done")
@@ -53,17 +54,19 @@ _AFTER = (
     ("        combine_warps(state);\n        __syncthreads();\n", 2),  # span: per row, the last one's kept
     ("        __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed\n", 4),
-    ("        __syncthreads();\n        if (!is_last) return;\n", 4),
 )
 #: (anchor, code inserted right before it). Thread 0 stamps phase 3 as soon as it has issued its own pushes (a CTA barrier there would
 #: change what is timed); a cluster merge that writes the output ends with its own barrier.
 _BARRIER = "    __syncthreads();\n"
 _BEFORE = (
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);", "    splitkv_stamp(3);\n"),
-    ("        if (whole_row) return;\n    } else {\n        write_partial(",
+    ("        if (whole_row) return;\n        // Several clusters per row",
      _BARRIER + "    if (whole_row) splitkv_stamp(5);\n"),
+    ("        return is_last != 0;\n", "        if (is_last) splitkv_stamp(4);\n"),  # the row's (or slice's) last CTA
 )
-_TAIL = "                                                num_qo_heads, num_splits, slots_used, lane);\n"
+#: The ends of the global merges (a row's, a cluster rank's slice), followed by the "done" stamp.
+_TAILS = ("                                                num_qo_heads, num_splits, slots_used, lane);\n",
+          "rank * SLICE, slice_end, rank, CLUSTER, warp, lane);\n")
 
 
 def patched_source(source: str, num_ctas: int) -> str:
@@ -76,8 +79,8 @@ def patched_source(source: str, num_ctas: int) -> str:
         out = out.replace(anchor, anchor + f"    splitkv_stamp({phase});\n", 1)
     for anchor, code in _BEFORE:
         out = out.replace(anchor, code + anchor, 1)
-    if _TAIL in out:
-        out = out.replace(_TAIL, _TAIL + _BARRIER + "    splitkv_stamp(5);\n", 1)
+    for tail in _TAILS:
+        out = out.replace(tail, tail + _BARRIER + "    splitkv_stamp(5);\n", 1)
     if "splitkv_stamp(0)" not in out or "splitkv_stamp(1)" not in out:
         raise ValueError("timeline: the decode program's phase anchors moved")
     return out

@@ -200,12 +200,14 @@ class DecodeAttention:
             rows = batch * plan.num_splits * self.num_qo_heads
             partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._buffer("partial_lse", rows, np.float32)
-            # Merge counters [batch][num_kv_heads]; when warps steal tiles, from the next whole
-            # line on, one tile counter per row, TILE_COUNTER_STRIDE ints apart.
+            # Merge counters [batch][num_kv_heads][cluster] (with several clusters per row, each
+            # cluster rank merges its slice of the row); when warps steal tiles, from the next
+            # whole line on, one tile counter per row, TILE_COUNTER_STRIDE ints apart.
             rows_total = batch * self.num_kv_heads
-            num_counters = rows_total
+            num_counters = rows_total * spec.cluster
             if spec.steal_tiles:
-                num_counters = -(-rows_total // TILE_COUNTER_STRIDE) * TILE_COUNTER_STRIDE + rows_total * TILE_COUNTER_STRIDE
+                num_counters = (-(-num_counters // TILE_COUNTER_STRIDE) * TILE_COUNTER_STRIDE
+                                + rows_total * TILE_COUNTER_STRIDE)
             if spec.fused_merge or spec.steal_tiles:
                 counters = self._buffer("counters", num_counters, np.int32, zero=True)
             if not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place

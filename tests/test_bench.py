@@ -488,7 +488,7 @@ def test_every_timeline_anchor_lands_in_a_rendered_program():
     timeline = _bench_tool("timeline")
     base = default_spec("sm_90", 128, 4)
     sources = [render(base), render(base.replace(cluster=1, span_rows=True, kv_copy="cp_async"))]
-    anchors = [a for a, _ in timeline._AFTER] + [a for a, _ in timeline._BEFORE] + [timeline._TAIL]
+    anchors = [a for a, _ in timeline._AFTER] + [a for a, _ in timeline._BEFORE] + list(timeline._TAILS)
     missing = [a for a in anchors if not any(a in source for source in sources)]
     assert not missing
 

@@ -13,18 +13,22 @@ namespace splitkv {
 // Workspace layout (fp32): partial_o[batch][num_splits][num_qo_heads][HEAD_DIM],
 // partial_lse[batch][num_splits][num_qo_heads]. Partials are read with ld.global.cg: they were
 // written by other CTAs of this launch, so they must come from L2, never from a stale L1 line.
-template <int HEAD_DIM, typename out_t>
-__device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
-                                          out_t* __restrict__ out, float* __restrict__ lse,
-                                          int batch_idx, int head, int num_qo_heads, int num_splits, int splits_used,
-                                          int lane) {
-    constexpr int PER_LANE = (HEAD_DIM + 31) / 32;
+//
+// One warp merges elements [d_begin, d_end) of the row (a span of at most SPAN elements; lane
+// takes d_begin + lane + 32 j), and writes the row's log-sum-exp when the span starts the row.
+// Partial i's log-sum-exp is read from slot lse_slot0 + i lse_step (its o from slot i).
+template <int HEAD_DIM, int SPAN, typename out_t>
+__device__ __forceinline__ void merge_row_span(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
+                                               out_t* __restrict__ out, float* __restrict__ lse,
+                                               int batch_idx, int head, int num_qo_heads, int num_splits, int splits_used,
+                                               int d_begin, int d_end, int lse_slot0, int lse_step, int lane) {
+    constexpr int PER_LANE = (SPAN + 31) / 32;
     // The merge runs at the tail of the launch, so its latency is on the critical path: each group
     // of up to 32 splits costs one round trip to L2, the log-sum-exps (one per lane) and the first
     // BATCH partials being requested together, since the partials do not depend on the weights.
     constexpr int BATCH = 16;
     const size_t split_stride = (size_t)num_qo_heads;
-    const float* row_lse = partial_lse + ((size_t)batch_idx * num_splits) * split_stride + head;
+    const float* row_lse = partial_lse + ((size_t)batch_idx * num_splits + lse_slot0) * split_stride + head;
     const float* row_o = partial_o + (((size_t)batch_idx * num_splits) * split_stride + head) * HEAD_DIM;
     auto load_partials = [&](float (&part)[BATCH][PER_LANE], int base, int first, int count) {
 #pragma unroll
@@ -32,8 +36,8 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, c
             const float* o = row_o + (size_t)(base + min(first + u, count - 1)) * split_stride * HEAD_DIM;
 #pragma unroll
             for (int j = 0; j < PER_LANE; ++j) {
-                const int d = lane + 32 * j;
-                part[u][j] = (first + u < count && d < HEAD_DIM) ? __ldcg(o + d) : 0.f;
+                const int d = d_begin + lane + 32 * j;
+                part[u][j] = (first + u < count && d < d_end) ? __ldcg(o + d) : 0.f;
             }
         }
     };
@@ -46,7 +50,7 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, c
     for (int j = 0; j < PER_LANE; ++j) acc[j] = 0.f;
     for (int base = 0; base < splits_used; base += 32) {
         const int count = min(32, splits_used - base);
-        const float lse_lane = lane < count ? __ldcg(row_lse + (base + lane) * split_stride) : -INFINITY;
+        const float lse_lane = lane < count ? __ldcg(row_lse + (size_t)(base + lane) * lse_step * split_stride) : -INFINITY;
         float part[BATCH][PER_LANE];
         load_partials(part, base, 0, count);
         float group_max = lse_lane;
@@ -77,11 +81,41 @@ __device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, c
     const size_t out_row = (size_t)batch_idx * num_qo_heads + head;
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j) {
-        const int d = lane + 32 * j;
-        if (d < HEAD_DIM) out[out_row * HEAD_DIM + d] = Elem<out_t>::from_float(acc[j] * inv);
+        const int d = d_begin + lane + 32 * j;
+        if (d < d_end) out[out_row * HEAD_DIM + d] = Elem<out_t>::from_float(acc[j] * inv);
     }
-    if (lse != nullptr && lane == 0)
+    if (lse != nullptr && lane == 0 && d_begin == 0)
         lse[out_row] = total > 0.f ? (m + __log2f(total)) * 0.69314718055994531f : -INFINITY;
+}
+
+// One warp merges the whole row (b, head).
+template <int HEAD_DIM, typename out_t>
+__device__ __forceinline__ void merge_row(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
+                                          out_t* __restrict__ out, float* __restrict__ lse,
+                                          int batch_idx, int head, int num_qo_heads, int num_splits, int splits_used,
+                                          int lane) {
+    merge_row_span<HEAD_DIM, HEAD_DIM, out_t>(partial_o, partial_lse, out, lse, batch_idx, head, num_qo_heads,
+                                              num_splits, splits_used, 0, HEAD_DIM, 0, 1, lane);
+}
+
+// The warps of a CTA merge elements [first, end) of the GROUP x HEAD_DIM block whose first row
+// is query head `head0` (the rows of one K/V head): one warp per row the range meets, each over
+// that row's part of the range, which is at most min(end - first, HEAD_DIM) elements long (SPAN).
+// Log-sum-exps as in merge_row_span.
+template <int HEAD_DIM, int SPAN, int WARPS, typename out_t>
+__device__ __forceinline__ void merge_elements(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
+                                               out_t* __restrict__ out, float* __restrict__ lse,
+                                               int batch_idx, int head0, int num_qo_heads, int num_splits,
+                                               int splits_used, int first, int end, int lse_slot0, int lse_step,
+                                               int warp, int lane) {
+    const int row_begin = first / HEAD_DIM, row_end = (end - 1) / HEAD_DIM;
+    for (int row = row_begin + warp; row <= row_end; row += WARPS) {
+        const int d_begin = row == row_begin ? first % HEAD_DIM : 0;
+        const int d_end = row == row_end ? (end - 1) % HEAD_DIM + 1 : HEAD_DIM;
+        merge_row_span<HEAD_DIM, SPAN, out_t>(partial_o, partial_lse, out, lse, batch_idx, head0 + row,
+                                              num_qo_heads, num_splits, splits_used, d_begin, d_end, lse_slot0,
+                                              lse_step, lane);
+    }
 }
 
 }  // namespace splitkv

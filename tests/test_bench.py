@@ -610,3 +610,21 @@ def test_cluster_layout_is_recorded_where_clusters_exist_and_a_failed_probe_does
     result["gpu"]["cluster_layout"] = failed
     assert "Cluster layout not recorded (RuntimeError: no cluster launch here)." in bench.render_markdown(result)
 
+
+
+def test_template_ab_renders_an_old_directory_as_the_package_renders():
+    # bench/ab_templates.py compiles "old" templates from a directory; given the package's own
+    # templates it must produce exactly the package's program and headers, or an A/B compares
+    # two renderings instead of two versions.
+    import importlib.resources
+    import pathlib
+
+    from splitkv.codegen.render import helper_headers, render
+    from splitkv.heuristics import default_spec
+
+    ab = _bench_tool("ab_templates")
+    folder = pathlib.Path(str(importlib.resources.files("splitkv") / "templates"))
+    for spec in (default_spec("sm_90", 128, 8).replace(cluster=16), default_spec("sm_90", 256, 8)):
+        source, headers = ab.old_source(spec, folder)
+        assert source == render(spec)
+        assert {name: headers[name] for name in ab.HEADERS} == {name: helper_headers()[name] for name in ab.HEADERS}

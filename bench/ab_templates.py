@@ -1,0 +1,92 @@
+"""A/B of two versions of the decode templates: the package's against an older copy, same plan.
+
+Each version is compiled the way the package compiles (`load_kernel` with its NVRTC options and
+headers); the old one from the templates in OLD_DIR (decode.cu.j2, merge.cuh, primitives.cuh, e.g.
+written there with `git show REV:splitkv/templates/FILE`). Both run the plan the package makes for
+the shape, in rounds of alternating order (old new, new old, ...), each round the median of
+``--iters`` calls under the benchmark's protocol; the table gives the median of the rounds, their
+range, and the largest difference between the two outputs (the old one's as reference).
+
+    python bench/ab_templates.py OLD_DIR --shapes 1:8:1:128:64k 1:16:2:256:16k [--rounds 4]
+
+The old program must take the same kernel parameters as the new. Needs a GPU and CuPy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import jinja2
+
+HEADERS = ("primitives.cuh", "merge.cuh")
+
+
+def old_source(spec, old_dir: Path) -> tuple[str, dict[str, str]]:
+    """The decode program of ``spec`` rendered from the templates in ``old_dir``, and the helper
+    headers found there (what `splitkv.codegen.render` gives for the package's own templates)."""
+    from splitkv.codegen.render import template_parameters
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(old_dir)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True)
+    source = env.get_template("decode.cu.j2").render(**template_parameters(spec))
+    return source, {name: (Path(old_dir) / name).read_text() for name in HEADERS}
+
+
+def old_kernel(spec, old_dir: Path):
+    """The decode function of ``spec`` compiled from the templates in ``old_dir``, as the package compiles."""
+    import splitkv.codegen.compile as compile_module
+    from splitkv.codegen.load import load_kernel
+
+    source, headers = old_source(spec, old_dir)
+    saved = compile_module.helper_headers
+    compile_module.helper_headers = lambda: dict(headers)
+    try:
+        return load_kernel(spec, source=source)[0]
+    finally:
+        compile_module.helper_headers = saved
+
+
+def main(argv=None) -> int:
+    import cupy
+
+    from splitkv import DecodeAttention
+    from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old_dir", type=Path, help="directory with the old decode.cu.j2, merge.cuh, primitives.cuh")
+    parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L (L may be written 4k)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args(argv)
+    harness = Harness(args.iters, 5, 256 << 20)
+    for shape in parse_shapes(args.shapes):
+        q, k, v, out = random_bf16_qkv(shape)
+        attn = DecodeAttention(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim)
+        attn.plan([shape.seq_len] * shape.batch, stream=harness.stream)
+        launch = attn._launch
+        fns = {"old": old_kernel(launch.spec, args.old_dir), "new": launch.decode_fn}
+        times = {name: [] for name in fns}
+        outs = {}
+        with harness.active():
+            for r in range(args.rounds):
+                for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                    object.__setattr__(attn._launch, "decode_fn", fns[name])
+                    times[name].append(statistics.median(harness.time(lambda: attn.run(q, k, v, out=out))))
+                    if r == 0:  # the output of one call, over a NaN-poisoned buffer
+                        bits = out.view(cupy.uint16)
+                        bits.fill(0x7FC0)
+                        attn.run(q, k, v, out=out)
+                        harness.synchronize()
+                        outs[name] = (bits.astype(cupy.uint32) << 16).view(cupy.float32)
+            object.__setattr__(attn._launch, "decode_fn", launch.decode_fn)
+        diff = float(cupy.nan_to_num(cupy.abs(outs["new"] - outs["old"]), nan=cupy.inf).max())
+        nans = int(cupy.isnan(outs["new"]).sum())
+        cells = [f"{name} {statistics.median(t):7.2f} µs [{min(t):.2f}-{max(t):.2f}]" for name, t in times.items()]
+        print(f"{shape.label}: " + " | ".join(cells) + f" | max |new - old| {diff:.1e}, NaN in new {nans}"
+              f"   ({attn.plan_info.split(';')[0]})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -27,6 +27,10 @@ def old_source(spec, old_dir: Path) -> tuple[str, dict[str, str]]:
     headers found there (what `splitkv.codegen.render` gives for the package's own templates)."""
     from splitkv.codegen.render import template_parameters
 
+    for name in ("decode.cu.j2",) + HEADERS:
+        path = Path(old_dir) / name
+        if not path.is_file() or path.stat().st_size == 0:
+            raise SystemExit(f"ab_templates: {path} is missing or empty (the old templates go in {old_dir})")
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(old_dir)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     source = env.get_template("decode.cu.j2").render(**template_parameters(spec))

@@ -287,8 +287,11 @@ def builtin_spec(shape: Shape, arch: str) -> KernelSpec:
 
 def spec_for_shape(overrides: dict, shape: Shape, arch: str, base: KernelSpec | None = None) -> KernelSpec:
     """The KernelSpec an override means for one shape: ``base`` (KernelSpec's defaults with the
-    shape's head_dim, group and dtypes when None) with the overridden fields replaced. Raises
-    ValueError when the result is invalid."""
+    shape's head_dim, group and dtypes when None) with the overridden fields replaced. ``variant``
+    is left out: it goes to plan(), which builds each program's spec from this one (a dense
+    program, say, without the split program's cluster). Raises ValueError when the result is
+    invalid."""
+    overrides = {key: value for key, value in overrides.items() if key != "variant"}
     if base is None:
         fields = dict(arch=arch, head_dim=shape.head_dim, group_size=shape.group_size,
                       q_dtype="bf16", kv_dtype=shape.kv_dtype)

@@ -176,6 +176,16 @@ def test_spec_overrides_apply_on_top_of_a_base():
     assert wide.head_dim == 256 and wide.group_size == 8  # a valid spec for the shape, whatever its CTA
 
 
+def test_variant_override_goes_to_the_plan_not_the_spec():
+    # The built-in sm_90 spec merges in clusters; a dense spec cannot have one, so replacing the
+    # variant in the spec would make `--specs variant=dense` unusable. plan() takes it instead.
+    shape = parse_shape("1:32:8:128:4k")
+    builtin = bench.builtin_spec(shape, "sm_90")
+    assert builtin.cluster > 1
+    assert bench.spec_for_shape({"variant": "dense"}, shape, "sm_90", builtin) == builtin
+    assert bench.spec_for_shape({"variant": "split", "stages": 3}, shape, "sm_90", builtin) == builtin.replace(stages=3)
+
+
 # ---- peers selection -------------------------------------------------------------------------
 
 def test_parse_peers():

@@ -63,6 +63,11 @@ class DecodeAttention:
     chooses); ``dense_spec`` then overrides the dense program's alone, e.g. for tuning them apart.
     ``device``: the CUDA device it runs on (default: CuPy's current device when it is built);
     plan() and run() switch to it, whatever device is current when they are called.
+
+    The workspace comes from CuPy's memory pool on the stream of the plan() that sized it. When
+    run() is called on other streams, keep the instance alive until those runs are done (or
+    synchronize them before dropping it): a freed block may be handed out again on the plan's
+    stream, which does not wait for work on the others.
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: str = "bf16",
@@ -78,11 +83,10 @@ class DecodeAttention:
         num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        if sm_scale is not None and not (math.isfinite(float(sm_scale)) and float(sm_scale) > 0):
-            raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
+        sm_scale = _checked_sm_scale(sm_scale)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group_size = num_qo_heads // num_kv_heads
-        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
         device = cupy.cuda.Device(device)  # None: CuPy's current device
         self.device = device.id
         self.arch = "sm_" + device.compute_capability
@@ -219,6 +223,9 @@ class DecodeAttention:
             device_lens.set(lens)
         workspace = (partial_o, partial_lse, counters)
         grid, span_args = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch), ()
+        if not plan.row_tokens and max(grid[1], grid[2]) > _MAX_GRID_YZ:
+            raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "
+                             f"launch grid ({_MAX_GRID_YZ} sequences and K/V heads at most); split the batch")
         if plan.row_tokens:  # CTAs span rows: a line of CTAs over all rows' tiles
             grid = (plan.num_ctas, 1, 1)
             span_args = (np.int32(batch * self.num_kv_heads), np.int32(plan.row_tokens // spec.tile_tokens),
@@ -267,6 +274,10 @@ class DecodeAttention:
         host = np.asarray(seq_lens)
         if host.ndim != 1 or host.size == 0:
             raise ValueError(f"seq_lens: expected a non-empty 1-D sequence of lengths, got shape {host.shape}")
+        if host.dtype.kind not in "iu":
+            raise TypeError(f"seq_lens: expected integer lengths, got dtype {host.dtype}")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral)):
+            raise TypeError(f"max_len: expected None or an int, got {max_len!r}")
         limit = int(host.max()) if max_len is None else int(max_len)
         return tensors.check_seq_lens(host, host.size, limit)
 
@@ -389,21 +400,24 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
     ki = tensors.describe(k, "k", bf16_from_uint16=True)
     vi = tensors.describe(v, "v", bf16_from_uint16=True)
     shapes = tensors.check_decode_inputs(qi, ki, vi)
-    if shapes.batch == 0:  # nothing to attend: the empty results, checked like any others
-        return _empty_results(q, qi, ki, vi, out, return_lse)
-    if seq_lens is None:
-        seq_lens = np.full(shapes.batch, shapes.max_len, dtype=np.int32)
-    elif tensors.is_device_array(seq_lens):
-        # Read back here (decode() plans on every call anyway), so that the lengths are checked
-        # against this batch and cache like host ones, and the plan keeps its own copy rather than
-        # the caller's array.
-        seq_lens = _read_back_lengths(seq_lens, shapes.batch, qi.device, "q is on")
-    seq_lens = tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
+    sm_scale = _checked_sm_scale(sm_scale)
     import cupy
 
     device = qi.device if qi.device is not None else cupy.cuda.Device().id
     with cupy.cuda.Device(device):
         launch_stream = tensors.stream_ptr(qi, stream)
+        if seq_lens is None:
+            seq_lens = np.full(shapes.batch, shapes.max_len, dtype=np.int32)
+        elif tensors.is_device_array(seq_lens):
+            # Read back here (decode() plans on every call anyway), so that the lengths are checked
+            # against this batch and cache like host ones, and the plan keeps its own copy rather
+            # than the caller's array. Read on the launch stream: the lengths, like q, k and v,
+            # must be ready there.
+            with streams.use_stream(launch_stream):
+                seq_lens = _read_back_lengths(seq_lens, shapes.batch, qi.device, "q is on")
+        seq_lens = tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
+        if shapes.batch == 0:  # nothing to attend: the empty results, checked like any others
+            return _empty_results(q, qi, ki, vi, out, return_lse)
         # One instance (so one workspace) per device and stream: kernels that may overlap on the
         # GPU never share partials, counters or lengths; calls on one stream run in order, and
         # the lock keeps each call's plan and run together on the host.
@@ -429,6 +443,22 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+#: CUDA's limit on a launch grid's y and z extents (K/V heads and sequences here).
+_MAX_GRID_YZ = 65535
+
+
+def _checked_sm_scale(sm_scale) -> float | None:
+    """None, or ``sm_scale`` as a positive finite float; TypeError / ValueError naming it otherwise."""
+    if sm_scale is None:
+        return None
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale: expected None or a positive finite float, got {sm_scale!r}")
+    value = float(sm_scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
+    return value
+
+
 def _check_device(name: str, info: tensors.TensorInfo, device: int | None, owner: str) -> None:
     """ValueError naming ``name`` when it is on another device than ``device`` (None: unknown)."""
     if info.device is not None and device is not None and info.device != device:

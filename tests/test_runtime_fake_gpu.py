@@ -334,3 +334,50 @@ def test_warp_heads_can_be_forced_either_way_and_is_refused_where_it_cannot_run(
         odd.plan([100] * 2, variant="dense", warp_heads=True)
     kept = odd.plan([1024] * 200)  # the planner just keeps a row per CTA
     assert kept.variant == "dense" and kept.heads_per_cta == 1
+
+
+def test_decode_reads_device_lengths_on_the_launch_stream(fake_gpu):
+    # The lengths, like q, k and v, are ready on the stream the call runs on; read on another
+    # stream, the read-back could see lengths not written yet.
+    q, k, v = _qkv(2, 8, 2, 128, 1024)
+    lens = _DeviceArray((2,), "<i4", [5, 1000])
+    read_on = []
+    plain_get = lens.get
+    lens.get = lambda: (read_on.append(fake_gpu.stream), plain_get())[1]
+    runtime.decode(q, k, v, lens, stream=7)
+    assert read_on == [7]
+    (launch,) = fake_gpu.launches
+
+
+def test_decode_of_an_empty_batch_still_checks_its_other_arguments(fake_gpu):
+    q, k, v = _qkv(0, 8, 2, 128, 64)
+    with pytest.raises(ValueError, match="seq_lens"):
+        runtime.decode(q, k, v, [1, 2, 3])
+    with pytest.raises(TypeError, match="sm_scale"):
+        runtime.decode(q, k, v, sm_scale="0.1")
+    with pytest.raises(ValueError, match="sm_scale"):
+        runtime.decode(q, k, v, sm_scale=-1.0)
+    assert runtime.decode(q, k, v, []).shape == (0, 8, 128)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda attn: attn.plan([5, None]), TypeError, "seq_lens: expected integer lengths"),
+    (lambda attn: attn.plan([5.0, 7.0]), TypeError, "seq_lens: expected integer lengths"),
+    (lambda attn: attn.plan([5, 7], max_len=9.7), TypeError, "max_len"),
+    (lambda attn: attn.plan([5, 7], max_len="9"), TypeError, "max_len"),
+    (lambda attn: attn.plan([1] * 70000), ValueError, "launch grid"),
+    (lambda attn: runtime.DecodeAttention(8, 2, 128, sm_scale=True), TypeError, "sm_scale"),
+    (lambda attn: runtime.DecodeAttention(8, 2, 128, sm_scale="0.1"), TypeError, "sm_scale"),
+    (lambda attn: runtime.DecodeAttention(8, 2, 128, sm_scale=float("inf")), ValueError, "sm_scale"),
+])
+def test_plan_and_constructor_name_bad_scalars(fake_gpu, make, error, message):
+    attn = runtime.DecodeAttention(8, 2, 128)
+    with pytest.raises(error, match=message):
+        make(attn)
+    assert not fake_gpu.launches
+
+
+def test_numpy_scalars_are_accepted_where_ints_and_floats_are(fake_gpu):
+    attn = runtime.DecodeAttention(8, 2, 128, sm_scale=np.float32(0.125))
+    assert attn.sm_scale == 0.125
+    assert attn.plan(np.array([5, 7], dtype=np.int64), max_len=np.int32(9)).variant in ("dense", "split")

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
 import jinja2
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from variants import round_order  # noqa: E402
 
 HEADERS = ("primitives.cuh", "merge.cuh")
 
@@ -39,16 +44,10 @@ def old_source(spec, old_dir: Path) -> tuple[str, dict[str, str]]:
 
 def old_kernel(spec, old_dir: Path):
     """The decode function of ``spec`` compiled from the templates in ``old_dir``, as the package compiles."""
-    import splitkv.codegen.compile as compile_module
     from splitkv.codegen.load import load_kernel
 
     source, headers = old_source(spec, old_dir)
-    saved = compile_module.helper_headers
-    compile_module.helper_headers = lambda: dict(headers)
-    try:
-        return load_kernel(spec, source=source)[0]
-    finally:
-        compile_module.helper_headers = saved
+    return load_kernel(spec, source=source, headers=headers)[0]
 
 
 def main(argv=None) -> int:
@@ -74,7 +73,7 @@ def main(argv=None) -> int:
         outs = {}
         with harness.active():
             for r in range(args.rounds):
-                for name in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                for name in (list(fns)[i] for i in round_order(len(fns), r)):
                     object.__setattr__(attn._launch, "decode_fn", fns[name])
                     times[name].append(statistics.median(harness.time(lambda: attn.run(q, k, v, out=out))))
                     if r == 0:  # the output of one call, over a NaN-poisoned buffer

@@ -451,12 +451,12 @@ def _is_contiguous(shape: tuple, strides: tuple) -> bool:
 
 # ---- sequence lengths -------------------------------------------------------------------------
 
-def check_seq_lens(seq_lens: Any, batch: int, max_len: int) -> np.ndarray | None:
+def check_seq_lens(seq_lens: Any, batch: int, max_len: int | None) -> np.ndarray | None:
     """Validate the per-sequence K/V lengths.
 
     None means every sequence holds max_len tokens and returns that as a host array. A host
-    sequence or NumPy array is checked (length ``batch``, every value in 0..max_len) and returned
-    as a contiguous int32 NumPy array. A device array (int32, shape [batch], contiguous) is accepted
+    sequence or NumPy array is checked (length ``batch``, every value in 0..max_len; max_len None:
+    no bound but the programs' int32) and returned as a contiguous int32 NumPy array. A device array (int32, shape [batch], contiguous) is accepted
     as is and returns None: its values stay on the device, and whoever must plan reads them back.
     """
     if seq_lens is None:
@@ -502,6 +502,8 @@ def _check_host_seq_lens(seq_lens: Any, batch: int, max_len: int) -> np.ndarray:
         raise TypeError(f"seq_lens: expected integer lengths, got dtype {lens.dtype}")
     if lens.shape[0] != batch:
         raise ValueError(f"seq_lens: expected {batch} lengths (the batch of q), got {lens.shape[0]}")
+    if max_len is None:
+        max_len = int(lens.max(initial=0))
     if max_len > _INT32_MAX:  # the programs index tokens with int32
         raise ValueError(f"seq_lens: lengths above {_INT32_MAX} tokens are not supported, got {max_len}")
     bad = np.flatnonzero((lens < 0) | (lens > max_len))

@@ -366,3 +366,19 @@ def test_name_is_stable_and_readable():
     assert spec.name == "sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-fm"
     assert re.fullmatch(r"[A-Za-z0-9_.-]+", spec.name)
     assert KernelSpec.from_dict(spec.to_dict()) == spec
+
+
+@needs_nvrtc
+def test_other_helper_headers_compile_apart_from_the_packages():
+    # A tool comparing an older copy of the helpers hands them in; they must reach NVRTC and key
+    # the cache, or the comparison would time the package's own program twice.
+    from splitkv.codegen.render import helper_headers
+
+    spec = MergeSpec(arch="sm_90", head_dim=128, out_dtype="bf16")
+    ours = compile_cubin(spec)
+    other = dict(helper_headers())
+    other["merge.cuh"] += "\n// an older copy\n"
+    theirs = compile_cubin(spec, headers=other)
+    assert theirs.source_path != ours.source_path
+    assert (theirs.source_path.parent / "merge.cuh").read_text().endswith("// an older copy\n")
+    assert compile_cubin(spec, headers=other) is theirs  # cached by its headers

@@ -154,7 +154,7 @@ _lock = threading.Lock()
 
 
 def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True,
-                  source: str | None = None) -> CompileResult:
+                  source: str | None = None, headers: dict[str, str] | None = None) -> CompileResult:
     """Render ``spec`` and compile it to a cubin for ``spec.arch``; no GPU is involved.
 
     A program compiled earlier in this process is returned from memory. Otherwise the disk cache is
@@ -164,10 +164,12 @@ def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True,
 
     ``source`` replaces the rendered program (the benchmark tools patch it to time or stamp its
     parts), compiled with the same options and headers so that it differs in nothing else.
+    ``headers`` replaces the helper headers by include name (a tool comparing an older copy of
+    them); both are part of the cache key.
     """
-    patched = source is not None
-    source = source if patched else render(spec)
-    headers = helper_headers()
+    patched = source is not None or headers is not None
+    source = source if source is not None else render(spec)
+    headers = helper_headers() if headers is None else dict(sorted(headers.items()))
     options = nvrtc_options(spec.arch)
     key = _cache_key(source, headers, options)
     # The key already keeps the two apart; the name says which one a log or a listing shows.

@@ -18,26 +18,29 @@ _loaded: dict[tuple, tuple] = {}
 _lock = threading.Lock()
 
 
-def load_kernel(spec: KernelSpec | MergeSpec, *, source: str | None = None):
+def load_kernel(spec: KernelSpec | MergeSpec, *, source: str | None = None,
+                headers: dict[str, str] | None = None):
     """(CuPy kernel function, CompileResult) for ``spec`` on the current device, cached per device.
 
-    ``source``: a patched program to compile in place of the rendered one (see `compile_cubin`).
+    ``source``, ``headers``: a patched program, or other helper headers, to compile in place of the
+    package's (see `compile_cubin`).
     """
-    module, function, result = load_module(spec, source=source)
+    module, function, result = load_module(spec, source=source, headers=headers)
     return function, result
 
 
-def load_module(spec: KernelSpec | MergeSpec, *, source: str | None = None):
+def load_module(spec: KernelSpec | MergeSpec, *, source: str | None = None,
+                headers: dict[str, str] | None = None):
     """(CuPy module, its kernel function, CompileResult): `load_kernel`, with the module for tools
     that read the program's globals."""
     import cupy
 
     device = cupy.cuda.Device().id
-    key = (spec, device, source)
+    key = (spec, device, source, None if headers is None else tuple(sorted(headers.items())))
     with _lock:
         if key in _loaded:
             return _loaded[key]
-    result: CompileResult = compile_cubin(spec, source=source)
+    result: CompileResult = compile_cubin(spec, source=source, headers=headers)
     module = cupy.RawModule(path=str(result.cubin_path))
     function = module.get_function(kernel_name(spec))
     smem = getattr(spec, "smem_bytes", 0)

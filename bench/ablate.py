@@ -54,8 +54,8 @@ ABLATIONS = {
     "stream-only (no math)": _stream_only,
     "no cluster merge (each CTA exits)": _swap("        splitkv::cluster_wait();  // every member's inbox",
                                                "        return;\n        splitkv::cluster_wait();  // every member's inbox"),
-    "no epilogue (exit after the stream)": _swap("    }\n    drain(prefetched);\n",
-                                                 "    }\n    drain(prefetched);\n    if (len >= 0) return;\n"),
+    "no epilogue (exit after the stream)": _swap("    if constexpr (STEAL == 0) drain(prefetched);\n",
+                                                 "    if constexpr (STEAL == 0) drain(prefetched);\n    if (len >= 0) return;\n"),
     "nothing (exit at once)": _swap("    __shared__ unsigned long long inbox_full;",
                                     "    __shared__ unsigned long long inbox_full; if (max_len > 0) return;"),
 }

@@ -9,6 +9,7 @@ Ablations (bench/ablate.py) say what a part costs; this says where in the launch
     python bench/timeline.py                         # B=1, 32/8, D=128 at 1k and 64k
     python bench/timeline.py --shapes 1:32:8:128:16k --samples 50
     python bench/timeline.py --shapes 1:32:8:128:64k --placement 3   # where the clusters ran
+    python bench/timeline.py --shapes 1:32:8:128:64k --placement 1 --variants "" "splits=16,cluster=1"
     python bench/timeline.py --shapes 64:32:8:128:1k --around        # the time outside the stamps
 
 Needs a GPU and CuPy. The stamps add a few instructions per phase, not per tile.
@@ -17,8 +18,14 @@ Needs a GPU and CuPy. The stamps add a few instructions per phase, not per tile.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from variants import parse_variant, planned_attention  # noqa: E402
 
 #: Phase stamps in program order; a CTA that skips a phase (no merge, not the last) leaves it 0.
 #: In rows of several clusters, phases 3 and 4 are those of the second, global stage where a CTA
@@ -130,6 +137,26 @@ def placement(stamps: np.ndarray, cluster: int, groups: list[list[int]]) -> list
     return rows
 
 
+def group_ends(stamps: np.ndarray, groups: list[list[int]]) -> str:
+    """One line: per SM group (`splitkv.cluster_layout`), how many CTAs ran there (at most) and when the last
+    of them finished streaming (µs after the first CTA started; median over samples). Equal work
+    ending at different times per group is what balancing across the GPU would recover."""
+    group_of = {sm: index for index, group in enumerate(groups) for sm in group}
+    start = first_start(stamps)
+    ends: dict[int, list[float]] = {}
+    counts: dict[int, list[int]] = {}
+    for sample, t0 in zip(stamps, start):
+        per_group: dict[int, list[int]] = {}
+        for cta in sample:
+            if cta[_SM_SLOT] > 0 and cta[1] > 0:
+                per_group.setdefault(group_of.get(int(cta[_SM_SLOT]) - 1, -1), []).append(int(cta[1]))
+        for group, streamed in per_group.items():
+            ends.setdefault(group, []).append((max(streamed) - t0) / 1e3)
+            counts.setdefault(group, []).append(len(streamed))
+    cells = [f"{g}: {max(counts[g])}@{np.median(ends[g]):.1f}" for g in sorted(ends)]
+    return "  streamed by SM group (CTAs@last end, µs): " + ", ".join(cells)
+
+
 #: A one-thread kernel that stamps the global timer: launched right before and right after the
 #: decode with --around, it shows the time outside the decode's own stamps (its launch, and after
 #: the last stamp its CTAs' remaining work, their exit and the next launch).
@@ -156,17 +183,19 @@ def around(stamps: np.ndarray, before: np.ndarray, after: np.ndarray) -> str:
 def main(argv=None) -> int:
     import cupy
 
-    from splitkv import DecodeAttention
     from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
     from splitkv.codegen.load import load_module
     from splitkv.codegen.render import render
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:64k"])
+    parser.add_argument("--variants", nargs="+", default=[""],
+                        help='as bench/variants.py: field=value,...[,splits=N]; "" = as shipped')
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--placement", type=int, default=0, metavar="N",
                         help="also print, for the first N samples, the SM group each cluster ran on "
-                             "(splitkv.cluster_layout) and when it finished streaming")
+                             "(splitkv.cluster_layout) and when it finished streaming, and per SM group "
+                             "when its CTAs finished streaming (all samples)")
     parser.add_argument("--around", action="store_true",
                         help="also stamp the timer in a kernel right before and right after the decode")
     args = parser.parse_args(argv)
@@ -182,11 +211,10 @@ def main(argv=None) -> int:
             print(f"  group {index}: SMs {group}")
 
     harness = Harness(args.samples, 3, 256 << 20)
-    for shape in parse_shapes(args.shapes):
-        b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
+    cases = [(shape, text, *parse_variant(text)) for shape in parse_shapes(args.shapes) for text in args.variants]
+    for shape, text, changes, plan_keys in cases:
         q, k, v, out = random_bf16_qkv(shape)
-        attn = DecodeAttention(hq, hkv, d)
-        attn.plan([n] * b, stream=harness.stream)
+        attn = planned_attention(shape, changes, plan_keys, harness.stream)
         launch = attn._launch
         num_ctas = int(np.prod(launch.grid))
         # Compiled as splitkv compiles the program, so that the stamps are the only difference.
@@ -208,12 +236,13 @@ def main(argv=None) -> int:
                 stamps.append(probe.get().astype(np.int64))
                 if stamp_kernel is not None:
                     outside.append(times.get().astype(np.int64))
-        print(f"{shape.label}: {attn.plan_info}")
+        print(f"{shape.label}{' [' + text + ']' if text else ''}: {attn.plan_info}")
         print("\n".join(summarise(np.stack(stamps))), flush=True)
         if stamp_kernel is not None:
             before, after = np.stack(outside).T
             print(around(np.stack(stamps), before, after), flush=True)
         if groups is not None:
+            print(group_ends(np.stack(stamps), groups))
             print("\n".join(placement(np.stack(stamps[:args.placement]), launch.spec.cluster, groups)), flush=True)
     return 0
 

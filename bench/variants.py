@@ -49,6 +49,22 @@ def parse_variant(text: str) -> tuple[dict, dict]:
     return (parse_spec_override(",".join(rest)) if rest else {}), plan_keys
 
 
+def planned_attention(shape, changes: dict, plan_keys: dict, stream):
+    """A DecodeAttention for ``shape`` (a bench Shape) with the variant's spec fields and plan keys
+    (see parse_variant), planned for its lengths on ``stream``."""
+    import cupy
+
+    hq, hkv, d = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
+    spec = default_spec("sm_" + cupy.cuda.Device().compute_capability, d, hq // hkv).replace(**changes) \
+        if changes else None
+    attn = DecodeAttention(hq, hkv, d, spec=spec)
+    splits = plan_keys.get("splits")
+    variant = None if splits is None else ("dense" if splits == 0 else "split")
+    attn.plan([shape.seq_len] * shape.batch, variant=variant, num_splits=splits or None,
+              warp_heads=plan_keys.get("warp_heads"), stream=stream)
+    return attn
+
+
 def round_order(count: int, round_index: int) -> list[int]:
     """The order in which round ``round_index`` times ``count`` variants: rotated by one each round,
     so that over ``count`` rounds (or any multiple) every variant takes every position once.
@@ -79,21 +95,12 @@ def main(argv=None) -> int:
     shapes = parse_shapes(args.shapes)
     floor = ReadFloor(max(s.total_bytes for s in shapes))
     for shape in shapes:
-        b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
         q, k, v, out = random_bf16_qkv(shape)
         with harness.active():
             floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
         print(f"{shape.label}: read floor {floor_us:.1f} µs", flush=True)
-        planned = []  # every variant compiled and planned before any is timed
-        for text, changes, plan_keys in variants:
-            spec = default_spec("sm_" + cupy.cuda.Device().compute_capability, d, hq // hkv).replace(**changes) \
-                if changes else None
-            attn = DecodeAttention(hq, hkv, d, spec=spec)
-            splits = plan_keys.get("splits")
-            variant = None if splits is None else ("dense" if splits == 0 else "split")
-            attn.plan([n] * b, variant=variant, num_splits=splits or None, warp_heads=plan_keys.get("warp_heads"),
-                      stream=harness.stream)
-            planned.append(attn)
+        # every variant compiled and planned before any is timed
+        planned = [planned_attention(shape, changes, plan_keys, harness.stream) for _, changes, plan_keys in variants]
         medians = [[] for _ in planned]
         for r in range(args.rounds):
             for i in round_order(len(planned), r):

@@ -131,7 +131,9 @@ class KernelSpec:
     ``steal_tiles`` (0: off): each warp streams the first ``stages - 1`` tiles of its split, then
     draws blocks of ``steal_tiles`` consecutive tiles from a per-row counter, so that CTAs which
     stream faster take over the slower ones' tokens (the result then depends on which warp took
-    which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter.
+    which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter. Without
+    clusters, a row's CTAs are also dealt out across the launch order (CTA i serves row i % rows),
+    so that each row's pool is drained from every GPC.
     ``warp_heads`` (dense only): each warp serves its own K/V head over the whole sequence, so a
     CTA serves ``warps`` consecutive K/V heads of one sequence and its warps have nothing to
     combine. The planner takes it per plan (``plan.wants_packed_heads``, ``plan.pack_heads``);
@@ -191,8 +193,8 @@ class KernelSpec:
         if isinstance(self.steal_tiles, bool) or not isinstance(self.steal_tiles, int):
             raise TypeError(f"steal_tiles: expected an int (tiles per draw; 0: off), got {self.steal_tiles!r}")
         _check_choice("steal_tiles", self.steal_tiles, STEAL_TILES)
-        if self.steal_tiles and (self.variant != "split" or self.kv_copy != "cp_async"):
-            raise ValueError("steal_tiles: needs the split variant with kv_copy='cp_async'")
+        if self.steal_tiles and self.variant != "split":
+            raise ValueError("steal_tiles: needs the split variant")
         if self.steal_tiles and not self.fused_merge:
             raise ValueError("steal_tiles: the fused merge (or the cluster merge) resets the tile counters; "
                              "use fused_merge=True")

@@ -638,3 +638,18 @@ def test_template_ab_renders_an_old_directory_as_the_package_renders():
         source, headers = ab.old_source(spec, folder)
         assert source == render(spec)
         assert {name: headers[name] for name in ab.HEADERS} == {name: helper_headers()[name] for name in ab.HEADERS}
+
+
+def test_timeline_group_ends_gives_each_groups_last_stream_end():
+    timeline = _bench_tool("timeline")
+    # Two samples, four CTAs: two on group 0 (SMs 0, 1), two on group 1 (SMs 4, 5); stamps in ns.
+    stamps = np.zeros((2, 4, timeline._SLOTS), np.int64)
+    stamps[:, :, 0] = 1000
+    stamps[0, :, 1] = [6000, 8000, 21000, 11000]
+    stamps[1, :, 1] = [7000, 9000, 13000, 12000]
+    stamps[:, :, timeline._SM_SLOT] = [1, 2, 5, 6]
+    line = timeline.group_ends(stamps, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    # group 0: ends 7.0 and 8.0 -> median 7.5; group 1: 20.0 and 12.0 -> 16.0
+    assert line == "  streamed by SM group (CTAs@last end, µs): 0: 2@7.5, 1: 2@16.0"
+    stamps[1, 3, 1] = 0  # a CTA that never streamed is not counted
+    assert "1: 2@16.0" in timeline.group_ends(stamps, [[0, 1, 2, 3], [4, 5, 6, 7]])

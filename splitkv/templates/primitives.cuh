@@ -43,6 +43,10 @@ __device__ __forceinline__ void mbarrier_init_fence() {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
+// One arrival and no bytes: completes a phase that no copy fills (a stage left empty).
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+}
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
     asm volatile("{\n.reg .pred done;\n"
                  "WAIT_%=:\n"

@@ -131,9 +131,9 @@ class KernelSpec:
     ``steal_tiles`` (0: off): each warp streams the first ``stages - 1`` tiles of its split, then
     draws blocks of ``steal_tiles`` consecutive tiles from a per-row counter, so that CTAs which
     stream faster take over the slower ones' tokens (the result then depends on which warp took
-    which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter. Without
-    clusters, a row's CTAs are also dealt out across the launch order (CTA i serves row i % rows),
-    so that each row's pool is drained from every GPC.
+    which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter. A row's
+    clusters (its CTAs, without clusters) are also dealt out across the launch order (cluster i
+    serves row i % rows), so that each row's pool is drained from several GPCs.
     ``warp_heads`` (dense only): each warp serves its own K/V head over the whole sequence, so a
     CTA serves ``warps`` consecutive K/V heads of one sequence and its warps have nothing to
     combine. The planner takes it per plan (``plan.wants_packed_heads``, ``plan.pack_heads``);

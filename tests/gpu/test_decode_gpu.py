@@ -291,6 +291,9 @@ def test_stolen_tiles(head_dim, group, steal, kv_copy):
     run_case(head_dim, group, [65536, 5000, 0, 129, 4096 + 77], variant="split", num_splits=16,
              spec_changes={"steal_tiles": steal, "cluster": 1, "kv_copy": kv_copy}, nan_tail=True, max_len=65536)
     run_case(head_dim, group, [20000, 3], variant="split", num_splits=8, spec_changes={"steal_tiles": steal, "kv_copy": kv_copy})
+    # Rows of several clusters, dealt out across the launch order cluster by cluster.
+    run_case(head_dim, group, [65536, 3000], variant="split", num_splits=16, max_len=65536,
+             spec_changes={"steal_tiles": steal, "cluster": 4, "kv_copy": kv_copy}, nan_tail=True, expect_cluster=4)
 
 
 @pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 16), (256, 8), (96, 1)])

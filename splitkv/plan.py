@@ -40,6 +40,9 @@ CLUSTER_SPLIT_BYTES = 256 * 1024
 #: on 128 CTAs with the global merge by 1.2-2.7 µs at 16k-128k and by 13% at 512k, and 16 rows in
 #: clusters of 4 (64 CTAs) beat 8 splits on 128 CTAs; 80 CTAs (clusters of 5) and 96 (3 or 6)
 #: were slower than the global merge. Half the SMs stream the bytes nearly as fast as all of them.
+#: A power-of-two size is taken before any other in the share: on some H200s (BENCHMARKS.md,
+#: c087f56) clusters of 9 stream 4-12% slower than clusters of 8 (64k 81.8 against 74.3 µs), on
+#: the others the two are within 1%.
 WHOLE_ROW_SHARE = (0.48, 0.55)
 #: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) lost 0.8% at 32/32 64k.
 MIN_WHOLE_ROW_CLUSTER = 4
@@ -206,9 +209,11 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
         return plan, 1
     if may_resplit and whole_row_ctas is not None:
         fewest, most = whole_row_ctas
-        for size in range(min(max_cluster, most // rows), MIN_WHOLE_ROW_CLUSTER - 1, -1):
+        sizes = range(min(max_cluster, most // rows), MIN_WHOLE_ROW_CLUSTER - 1, -1)
+        # Powers of two first, the largest first (see WHOLE_ROW_SHARE), then any size.
+        for size in sorted(sizes, key=lambda size: (size & (size - 1) != 0, -size)):
             if rows * size < fewest:
-                break
+                continue
             if not resident(size, rows):
                 continue
             candidate = fixed_plan(seq_lens, num_kv_heads, variant="split", chunk_size=chunk_size, num_splits=size)

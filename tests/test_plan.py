@@ -216,8 +216,9 @@ def _fit(lens, heads, splits, *, resident=_H200_ONE_CTA_PER_SM.get, may_resplit=
 def test_whole_row_clusters_over_about_half_the_sms():
     assert _H200_WHOLE_ROW == (64, 72)
     for lens, heads, splits, expected in [
-        ([65536], 8, 16, (9, 7296)),        # 8 rows: clusters of 9 on 72 SMs, not 16 splits and the global merge
-        ([524288], 8, 12, (9, 58368)),
+        ([65536], 8, 16, (8, 8192)),        # 8 rows: clusters of 8 on 64 SMs, not 16 splits and the global merge
+        ([524288], 8, 12, (8, 65536)),      # (9 would fit too, but a power of two goes first)
+        ([20000], 5, 8, (14, 1536)),        # 5 rows: no power of two in the share, so clusters of 14
         ([4096], 8, 16, (8, 512)),           # 9 chunks of 128 do not fit 4096 tokens better than 8
         ([1024], 8, 8, (8, 128)),
         ([65536, 30000], 8, 8, (4, 16384)),  # 16 rows: clusters of 4 on 64 SMs
@@ -243,8 +244,8 @@ def test_no_whole_row_clusters_outside_the_share_or_for_short_rows(lens, heads):
 def test_whole_row_clusters_need_every_row_resident_and_a_free_choice():
     plan = fixed_plan([65536], 8, variant="split", chunk_size=128, num_splits=16)
     args = dict(chunk_size=128, max_cluster=16, kv_bytes_per_token=512, whole_row_ctas=_H200_WHOLE_ROW)
-    chosen, cluster = fit_clusters(plan, [65536], 8, resident_clusters={**_H200_ONE_CTA_PER_SM, 9: 7}.get, **args)
-    assert cluster == 8  # 9 clusters of 9 no longer resident: 8 of 8
+    chosen, cluster = fit_clusters(plan, [65536], 8, resident_clusters={**_H200_ONE_CTA_PER_SM, 8: 7}.get, **args)
+    assert cluster == 9  # 8 clusters of 8 no longer resident: 8 of 9
     assert fit_clusters(plan, [65536], 8, resident_clusters=lambda c: None, **args) == (plan, 1)
     assert fit_clusters(plan, [65536], 8, resident_clusters=_H200_ONE_CTA_PER_SM.get, may_resplit=False,
                         **args) == (plan, 1)

@@ -170,8 +170,9 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
 
     With ``may_resplit`` and ``whole_row_ctas`` = (fewest, most) CTAs (see `whole_row_ctas`), rows
     first get one cluster each of any size from `MIN_WHOLE_ROW_CLUSTER` to ``max_cluster`` whose
-    CTAs number that many in all and are all resident: the largest such size, or the split count
-    chunk rounding leaves of it while that is still as many CTAs.
+    CTAs number that many in all and are all resident: the largest power of two such size, else the
+    largest such size (see `WHOLE_ROW_SHARE`), or the split count chunk rounding leaves of it while
+    that is still as many CTAs.
 
     A row's splits merge through distributed shared memory when they form one cluster: the split
     count is a power of two up to ``max_cluster`` and every row's cluster is resident at once

@@ -129,7 +129,8 @@ class KernelSpec:
     (see ``plan.span_plan``), so a CTA may finish one row and start the next; a warp that crosses
     keeps streaming and sets its first row's state aside. Needs cluster 1 and the fused merge.
     ``steal_tiles`` (0: off): each warp streams the first ``stages - 1`` tiles of its split, then
-    draws blocks of ``steal_tiles`` consecutive tiles from a per-row counter, so that CTAs which
+    draws blocks of ``steal_tiles`` tiles (taken from the row's splits in turn) from a per-row
+    counter, so that CTAs which
     stream faster take over the slower ones' tokens (the result then depends on which warp took
     which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter. A row's
     clusters (its CTAs, without clusters) are also dealt out across the launch order (cluster i

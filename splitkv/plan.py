@@ -41,7 +41,7 @@ CLUSTER_SPLIT_BYTES = 256 * 1024
 #: clusters of 4 (64 CTAs) beat 8 splits on 128 CTAs; 80 CTAs (clusters of 5) and 96 (3 or 6)
 #: were slower than the global merge. Half the SMs stream the bytes nearly as fast as all of them.
 #: A power-of-two size is taken before any other in the share: on some H200s (BENCHMARKS.md,
-#: c73573d) clusters of 9 stream 4-12% slower than clusters of 8 (64k 81.8 against 74.3 µs), on
+#: c73573d) clusters of 9 stream 4-13% slower than clusters of 8 (64k 81.8 against 74.3 µs), on
 #: the others the two are within 1%.
 WHOLE_ROW_SHARE = (0.48, 0.55)
 #: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) lost 0.8% at 32/32 64k.

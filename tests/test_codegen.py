@@ -96,6 +96,7 @@ def test_shrunk_default_shapes_compile_for_99_kb_gpus(arch):
     {"kv_copy": "bulk"}, {"kv_copy": "bulk", "variant": "dense", "cluster": 1},
     {"kv_copy": "bulk", "head_dim": 256, "group_size": 16, "tile_tokens": 16, "chunk_size": 64, "cluster": 16},
     {"kv_copy": "bulk", "head_dim": 96, "group_size": 1, "warps": 8, "tile_tokens": 16, "stages": 3},
+    {"kv_copy": "bulk", "steal_tiles": 2, "cluster": 1},
 ], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_bulk_copy_kernels_compile_for_sm90(changes):
     spec = KernelSpec(arch="sm_90", chunk_size=128, cluster=8).replace(**changes)
@@ -109,19 +110,25 @@ def test_bulk_copy_kernels_compile_for_sm90(changes):
     {}, {"variant": "dense", "cluster": 1}, {"mma_m": "tokens"},
     {"head_dim": 256, "group_size": 16, "tile_tokens": 16, "chunk_size": 64, "cluster": 16},
     {"head_dim": 64, "group_size": 1, "warps": 8, "tile_tokens": 16, "stages": 3, "cluster": 1},
+    {"steal_tiles": 1, "cluster": 1},
+    {"steal_tiles": 4, "head_dim": 256, "group_size": 16, "tile_tokens": 16, "chunk_size": 64, "cluster": 4},
 ], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
 def test_tensor_copy_kernels_compile_for_sm90(changes):
     spec = KernelSpec(arch="sm_90", chunk_size=128, cluster=8, kv_copy="tma").replace(**changes)
     result = compile_cubin(spec, use_disk_cache=False)
     assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
     assert "tensor_copy_2d_to_smem" in result.source and "__grid_constant__" in result.source
-    assert "cp_async_16(" not in result.source.split("splitkv_decode(")[1]  # no per-lane copies left
+    body = result.source.split("splitkv_decode(")[1]
+    assert "cp_async_16(" not in body  # no per-lane copies left
+    # With stealing, a stage left empty still completes its barriers' phase.
+    assert ("splitkv::mbarrier_arrive(&stage_full" in body) == bool(spec.steal_tiles)
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("cluster, head_dim, group", [(9, 128, 4), (5, 64, 8), (14, 256, 2)])
 def test_whole_row_clusters_of_sizes_other_than_powers_of_two_compile(cluster, head_dim, group):
-    # The planner's whole-row clusters (e.g. 9 on an H200 for 8 K/V heads) are compiled on first use.
+    # The planner's whole-row clusters (e.g. 10 to 14 on an H200 for 5 to 7 K/V heads, where no
+    # power of two fits) are compiled on first use.
     spec = default_spec("sm_90", head_dim, group).replace(cluster=cluster)
     result = compile_cubin(spec, use_disk_cache=False)
     assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"

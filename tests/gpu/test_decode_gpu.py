@@ -336,7 +336,7 @@ def test_ctas_spanning_rows_with_forced_counts(num_splits):
                                                 ([9000, 20000], 8)])
 def test_whole_row_clusters_of_any_size(head_dim, group, lens, num_kv_heads):
     # 5 to 16 rows over about half the SMs: one cluster per row of 4 to 14 CTAs (on an H200: 14,
-    # 12, 10, 9, 7, 6, 5 and 4), ragged rows leaving CTAs that stream nothing but still merge.
+    # 12, 10, 8, 7, 6, 5 and 4; powers of two first), ragged rows leaving CTAs that stream nothing but still merge.
     plan = run_case(head_dim, group, lens, num_kv_heads=num_kv_heads, expect_cluster="whole_row")
     print(f"{len(lens)} x {num_kv_heads} rows: clusters of {plan.num_splits}")
 

@@ -116,11 +116,16 @@ def summarise(stamps: np.ndarray) -> list[str]:
     return rows
 
 
+def _group_of_sm(groups: list[list[int]]) -> dict[int, int]:
+    """SM -> the index of its group in ``groups``."""
+    return {sm: index for index, group in enumerate(groups) for sm in group}
+
+
 def placement(stamps: np.ndarray, cluster: int, groups: list[list[int]]) -> list[str]:
     """Per sample, where each cluster (``cluster`` consecutive CTAs) ran, as the index of its SM
     group (`splitkv.cluster_layout`), and when its last CTA finished streaming (µs after the first
     CTA started; '-' where none of its CTAs streamed), then how many clusters each group held."""
-    group_of = {sm: index for index, group in enumerate(groups) for sm in group}
+    group_of = _group_of_sm(groups)
     rows = []
     for index, (sample, start) in enumerate(zip(stamps, first_start(stamps))):
         held: dict[int, int] = {}
@@ -141,7 +146,7 @@ def group_ends(stamps: np.ndarray, groups: list[list[int]]) -> str:
     """One line: per SM group (`splitkv.cluster_layout`), how many CTAs ran there (at most) and when the last
     of them finished streaming (µs after the first CTA started; median over samples). Equal work
     ending at different times per group is what balancing across the GPU would recover."""
-    group_of = {sm: index for index, group in enumerate(groups) for sm in group}
+    group_of = _group_of_sm(groups)
     start = first_start(stamps)
     ends: dict[int, list[float]] = {}
     counts: dict[int, list[int]] = {}
@@ -180,12 +185,44 @@ def around(stamps: np.ndarray, before: np.ndarray, after: np.ndarray) -> str:
     return "  around: " + "  ".join(f"{name} {np.median(ns) / 1e3:.2f}" for ns, name in parts) + " µs"
 
 
+def sample_launch(attn, inputs, harness, samples: int, stamp_kernel):
+    """Runs planned ``attn`` on ``inputs`` (q, k, v, out) ``samples`` times after an L2 flush each, its program patched with the
+    phase stamps. Returns the stamps [samples, ctas, slots] and, with ``stamp_kernel`` (--around),
+    the stamps before and after each decode [samples, 2] (else None)."""
+    import cupy
+
+    from splitkv.codegen.load import load_module
+    from splitkv.codegen.render import render
+
+    q, k, v, out = inputs
+    launch = attn._launch
+    num_ctas = int(np.prod(launch.grid))
+    # Compiled as splitkv compiles the program, so that the stamps are the only difference.
+    module, function, _ = load_module(launch.spec, source=patched_source(render(launch.spec), num_ctas))
+    object.__setattr__(launch, "decode_fn", function)
+    probe = cupy.ndarray((num_ctas, _SLOTS), cupy.uint64, module.get_global("splitkv_probe"))
+    stamps, outside = [], []
+    with harness.active():
+        times = cupy.zeros(2, cupy.uint64)  # the stamps before and after the decode (--around)
+        for _ in range(samples):
+            probe.fill(0)  # on the harness stream: phases a CTA skips stay 0
+            harness.flush_l2()
+            if stamp_kernel is not None:
+                stamp_kernel((1,), (1,), (times[0:1],))
+            attn.run(q, k, v, out=out)
+            if stamp_kernel is not None:
+                stamp_kernel((1,), (1,), (times[1:2],))
+            harness.synchronize()
+            stamps.append(probe.get().astype(np.int64))
+            if stamp_kernel is not None:
+                outside.append(times.get().astype(np.int64))
+    return np.stack(stamps), (np.stack(outside) if outside else None)
+
+
 def main(argv=None) -> int:
     import cupy
 
     from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
-    from splitkv.codegen.load import load_module
-    from splitkv.codegen.render import render
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:64k"])
@@ -211,39 +248,20 @@ def main(argv=None) -> int:
             print(f"  group {index}: SMs {group}")
 
     harness = Harness(args.samples, 3, 256 << 20)
-    cases = [(shape, text, *parse_variant(text)) for shape in parse_shapes(args.shapes) for text in args.variants]
-    for shape, text, changes, plan_keys in cases:
-        q, k, v, out = random_bf16_qkv(shape)
-        attn = planned_attention(shape, changes, plan_keys, harness.stream)
-        launch = attn._launch
-        num_ctas = int(np.prod(launch.grid))
-        # Compiled as splitkv compiles the program, so that the stamps are the only difference.
-        module, function, _ = load_module(launch.spec, source=patched_source(render(launch.spec), num_ctas))
-        object.__setattr__(launch, "decode_fn", function)
-        probe = cupy.ndarray((num_ctas, _SLOTS), cupy.uint64, module.get_global("splitkv_probe"))
-        stamps, outside = [], []
-        with harness.active():
-            times = cupy.zeros(2, cupy.uint64)  # the stamps before and after the decode (--around)
-            for _ in range(args.samples):
-                probe.fill(0)  # on the harness stream: phases a CTA skips stay 0
-                harness.flush_l2()
-                if stamp_kernel is not None:
-                    stamp_kernel((1,), (1,), (times[0:1],))
-                attn.run(q, k, v, out=out)
-                if stamp_kernel is not None:
-                    stamp_kernel((1,), (1,), (times[1:2],))
-                harness.synchronize()
-                stamps.append(probe.get().astype(np.int64))
-                if stamp_kernel is not None:
-                    outside.append(times.get().astype(np.int64))
-        print(f"{shape.label}{' [' + text + ']' if text else ''}: {attn.plan_info}")
-        print("\n".join(summarise(np.stack(stamps))), flush=True)
-        if stamp_kernel is not None:
-            before, after = np.stack(outside).T
-            print(around(np.stack(stamps), before, after), flush=True)
-        if groups is not None:
-            print(group_ends(np.stack(stamps), groups))
-            print("\n".join(placement(np.stack(stamps[:args.placement]), launch.spec.cluster, groups)), flush=True)
+    variants = [(text, *parse_variant(text)) for text in args.variants]
+    for shape in parse_shapes(args.shapes):
+        inputs = random_bf16_qkv(shape)  # q, k, v, out: shared by the shape's variants
+        for text, changes, plan_keys in variants:
+            attn = planned_attention(shape, changes, plan_keys, harness.stream)
+            stamps, outside = sample_launch(attn, inputs, harness, args.samples, stamp_kernel)
+            print(f"{shape.label}{' [' + text + ']' if text else ''}: {attn.plan_info}")
+            print("\n".join(summarise(stamps)), flush=True)
+            if stamp_kernel is not None:
+                before, after = outside.T
+                print(around(stamps, before, after), flush=True)
+            if groups is not None:
+                print(group_ends(stamps, groups))
+                print("\n".join(placement(stamps[:args.placement], attn._launch.spec.cluster, groups)), flush=True)
     return 0
 
 

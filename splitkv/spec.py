@@ -130,9 +130,8 @@ class KernelSpec:
     keeps streaming and sets its first row's state aside. Needs cluster 1 and the fused merge.
     ``steal_tiles`` (0: off): each warp streams the first ``stages - 1`` tiles of its split, then
     draws blocks of ``steal_tiles`` tiles (taken from the row's splits in turn) from a per-row
-    counter, so that CTAs which
-    stream faster take over the slower ones' tokens (the result then depends on which warp took
-    which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter. A row's
+    counter, so that CTAs which stream faster take over the slower ones' tokens (the result then
+    depends on which warp took which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter. A row's
     clusters (its CTAs, without clusters) are also dealt out across the launch order (cluster i
     serves row i % rows), so that each row's pool is drained from several GPCs.
     ``warp_heads`` (dense only): each warp serves its own K/V head over the whole sequence, so a

@@ -1,12 +1,15 @@
 """splitkv: generated split-KV ("flash-decoding") decode attention for NVIDIA GPUs.
 
 Public API: `decode` (one call), `DecodeAttention` (plan once per step, run once per layer),
-`KernelSpec` (every compile-time choice of a program) and `plan_splits` (the host planner).
+`KernelSpec` (every compile-time choice of a program), `plan_splits` (the host planner) and
+`quantize_kv` (BF16/FP16 K/V into FP8 E4M3 or NVFP4; formats in `splitkv.kv_formats`).
 """
 
 from .plan import SplitPlan, plan_splits
+from .quantize import NonFiniteInputError, QuantizedKV, quantize_kv
 from .runtime import DecodeAttention, decode
-from .spec import KernelSpec, MergeSpec
+from .spec import KernelSpec, MergeSpec, QuantizeSpec
 
 __version__ = "0.1.0"
-__all__ = ["DecodeAttention", "KernelSpec", "MergeSpec", "SplitPlan", "__version__", "decode", "plan_splits"]
+__all__ = ["DecodeAttention", "KernelSpec", "MergeSpec", "NonFiniteInputError", "QuantizeSpec", "QuantizedKV",
+           "SplitPlan", "__version__", "decode", "plan_splits", "quantize_kv"]

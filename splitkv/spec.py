@@ -350,6 +350,40 @@ class MergeSpec:
         return f"{self.arch}-merge-d{self.head_dim}-{self.out_dtype}" + (f"-t{self.threads}" if self.threads != 128 else "")
 
 
+#: Input element types of the K/V quantizer, and the formats it writes (see `splitkv.kv_formats`).
+QUANTIZE_IN_DTYPES = ("bf16", "fp16")
+QUANTIZE_FORMATS = ("fp8_e4m3", "nvfp4")
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    """The K/V quantizer: BF16/FP16 rows in, FP8 E4M3 or NVFP4 rows (and block scales) out, written
+    at each sequence's cache position. ``head_dim`` is any multiple of 16 (one NVFP4 block, or 16
+    FP8 bytes, per thread)."""
+
+    arch: str = "sm_90"
+    head_dim: int = 128
+    in_dtype: str = "bf16"
+    kv_format: str = "fp8_e4m3"
+    threads: int = 256
+
+    def __post_init__(self):
+        object.__setattr__(self, "arch", parse_arch(self.arch))
+        _normalise_ints(self, ("head_dim", "threads"))
+        if self.head_dim <= 0 or self.head_dim % 16:
+            raise ValueError(f"head_dim: the quantizer needs a positive multiple of 16, got {self.head_dim!r}")
+        _check_choice("in_dtype", self.in_dtype, QUANTIZE_IN_DTYPES)
+        _check_choice("kv_format", self.kv_format, QUANTIZE_FORMATS)
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads: expected a multiple of 32 in 32..1024, got {self.threads!r}")
+
+    @property
+    def name(self) -> str:
+        """'sm_90-quantize-d128-bf16-fp8_e4m3'."""
+        return (f"{self.arch}-quantize-d{self.head_dim}-{self.in_dtype}-{self.kv_format}"
+                + (f"-t{self.threads}" if self.threads != 256 else ""))
+
+
 def _normalise_ints(spec, fields) -> None:
     """Integer fields as plain ints: any integral value (a NumPy int, say) is taken, but not a bool or a
     float, which would pass the choice checks (True == 1, 128.0 == 128) and then show up in the name."""

@@ -7,18 +7,25 @@ the compiler hands them to NVRTC by name (see ``helper_headers``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.resources
 
 import jinja2
 
-from ..spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from ..spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec, QuantizeSpec
 
 #: C++ element type for each dtype name of the spec vocabulary.
 CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 
 DECODE_KERNEL = "splitkv_decode"
 MERGE_KERNEL = "splitkv_merge"
+QUANTIZE_KERNEL = "splitkv_quantize"
+#: Template and kernel name of each program kind.
+_PROGRAMS = {KernelSpec: ("decode.cu.j2", DECODE_KERNEL), MergeSpec: ("merge.cu.j2", MERGE_KERNEL),
+             QuantizeSpec: ("quantize.cu.j2", QUANTIZE_KERNEL)}
+
+AnySpec = KernelSpec | MergeSpec | QuantizeSpec
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,16 +49,18 @@ def _helper_headers() -> dict[str, str]:
     return {entry.name: entry.read_text() for entry in folder.iterdir() if entry.name.endswith(".cuh")}
 
 
-def kernel_name(spec: KernelSpec | MergeSpec) -> str:
-    return MERGE_KERNEL if isinstance(spec, MergeSpec) else DECODE_KERNEL
+def kernel_name(spec: AnySpec) -> str:
+    return _PROGRAMS[type(spec)][1]
 
 
-def template_parameters(spec: KernelSpec | MergeSpec) -> dict:
+def template_parameters(spec: AnySpec) -> dict:
     """The values a template sees: the spec's fields plus the C++ spellings derived from them."""
-    params = dict(spec.to_dict() if isinstance(spec, KernelSpec) else vars(spec))
+    params = dataclasses.asdict(spec)
     params.update(name=spec.name, kernel_name=kernel_name(spec))
     if isinstance(spec, MergeSpec):
         params["out_type"] = CUDA_TYPES[spec.out_dtype]
+    elif isinstance(spec, QuantizeSpec):
+        params["in_type"] = CUDA_TYPES[spec.in_dtype]
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], kv_type=CUDA_TYPES[spec.kv_dtype],
                       smem_pad=spec.smem_pad, kv_bytes=spec.kv_elem_bytes,
@@ -61,7 +70,6 @@ def template_parameters(spec: KernelSpec | MergeSpec) -> dict:
     return params
 
 
-def render(spec: KernelSpec | MergeSpec) -> str:
+def render(spec: AnySpec) -> str:
     """CUDA source of the program that ``spec`` names."""
-    template = "merge.cu.j2" if isinstance(spec, MergeSpec) else "decode.cu.j2"
-    return _environment().get_template(template).render(**template_parameters(spec))
+    return _environment().get_template(_PROGRAMS[type(spec)][0]).render(**template_parameters(spec))

@@ -1,0 +1,263 @@
+"""Quantize BF16/FP16 K/V on the GPU into FP8 E4M3 or NVFP4 (formats: `splitkv.kv_formats`).
+
+>>> cache = splitkv.quantize_kv(k, "nvfp4")                   # a whole cache [B, L, Hkv, D]
+>>> splitkv.quantize_kv(k_new, "nvfp4", out=cache, positions=lens)   # append [B, T, Hkv, D] at lens
+
+One program per (head_dim, input dtype, format), generated from ``quantize.cu.j2``; it writes
+exactly the bytes of `splitkv.kv_formats.quantize_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from . import kv_formats, streams, tensors
+from .spec import QUANTIZE_IN_DTYPES, QuantizeSpec
+
+#: Status bits the quantizer ORs into its status word (see quantize.cu.j2).
+NONFINITE_INPUT = 1
+POSITION_OUT_OF_RANGE = 2
+
+
+class NonFiniteInputError(ValueError):
+    """The input held NaN or Inf; the affected FP8 elements or NVFP4 blocks were written as NaN."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+    """A quantized K or V tensor: ``values`` (uint8, ``[B, L, Hkv, D]`` for FP8 or ``[B, L, Hkv, D/2]``
+    for NVFP4), ``block_scales`` (NVFP4: uint8 E4M3 codes ``[B, L, Hkv, D/16]``; FP8: None) and
+    ``scale`` (float32, ``(1,)`` per tensor or ``(Hkv,)`` per K/V head), all on the GPU, in the
+    array kind of the input that made them (CuPy arrays or torch tensors)."""
+
+    kv_dtype: str
+    values: Any
+    block_scales: Any
+    scale: Any
+
+    @property
+    def head_dim(self) -> int:
+        width = tensors.describe(self.values, "values").shape[-1]
+        return width * 2 if self.kv_dtype == "nvfp4" else width
+
+    @property
+    def shape(self) -> tuple:
+        """The logical shape ``[B, L, Hkv, D]`` of the tensor the bytes stand for."""
+        return (*tensors.describe(self.values, "values").shape[:-1], self.head_dim)
+
+    def dequantize_reference(self) -> np.ndarray:
+        """float64 values on the host, through the NumPy reference (copies everything back)."""
+        host = [None if a is None else _to_host(a) for a in (self.values, self.block_scales, self.scale)]
+        return kv_formats.dequantize_reference(host[0], host[1], self.kv_dtype, host[2])
+
+
+def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: QuantizedKV | None = None,
+                positions=None, check: bool | None = None, status=None, stream=None) -> QuantizedKV:
+    """Quantize ``x`` (bf16 or fp16, contiguous, ``[B, T, Hkv, D]``; ``[B, Hkv, D]`` is one token per
+    sequence) into ``kv_dtype`` ('fp8_e4m3' or 'nvfp4').
+
+    ``scale``: None computes the default (the largest finite magnitude onto the format's largest
+    value; per K/V head when ``per_head``); or a positive float, a host sequence of 1 or Hkv floats,
+    or a device float32 array of 1 or Hkv values (used as is, so it may change between graph replays).
+
+    ``out``: a QuantizedKV cache ``[B, L, Hkv, ...]`` to write into, with its own scale (``scale``
+    must then be None): token t of sequence b goes to cache row ``positions[b] + t`` (``positions``:
+    a host sequence or a device int32 array of B values; None: 0). Without ``out`` a new tensor of
+    x's shape is returned.
+
+    ``check``: read the status back and raise for non-finite inputs (NonFiniteInputError; the
+    affected elements or blocks are written as NaN, never as finite values) or positions past the
+    cache (ValueError; those tokens are not written). This waits for the stream. Default: on,
+    except while the stream is captured into a CUDA graph, where it cannot wait; there pass
+    ``status`` (a zeroed device int32 array of one element) and read it later: bit 1 non-finite
+    input, bit 2 position out of range.
+    """
+    kv_formats.check_format(kv_dtype)
+    info = tensors.describe(x, "x", bf16_from_uint16=True)
+    if info.ndim == 3:
+        info = dataclasses.replace(info, shape=(info.shape[0], 1, *info.shape[1:]),
+                                   strides=(info.strides[0], 0, *info.strides[1:]))
+    if info.ndim != 4:
+        raise ValueError(f"x: expected [batch, tokens, num_kv_heads, head_dim] (or [batch, num_kv_heads, "
+                         f"head_dim]), got shape {info.shape}")
+    if info.dtype not in QUANTIZE_IN_DTYPES:
+        raise TypeError(f"x: expected dtype {' or '.join(QUANTIZE_IN_DTYPES)}, got {info.dtype}")
+    tensors._check_layout(info, "x")
+    batch, tokens, num_kv_heads, head_dim = info.shape
+    qspec = QuantizeSpec(head_dim=head_dim, in_dtype=info.dtype, kv_format=kv_dtype)  # validates head_dim
+    import cupy
+
+    device = info.device if info.device is not None else cupy.cuda.Device().id
+    with streams.on_device(device):
+        ptr = tensors.stream_ptr(info, stream)
+        with streams.use_stream(ptr):
+            capturing = streams.is_capturing(ptr)
+            if check is None:
+                check = not capturing
+            elif check and capturing:
+                raise ValueError("check: the status cannot be read back while the stream is captured into a "
+                                 "CUDA graph; pass check=False and a status array")
+            x_cp = tensors.to_cupy(x).reshape(batch, tokens, num_kv_heads, head_dim)
+            if out is None:
+                if positions is not None:
+                    raise ValueError("positions: only for writing into a cache (out=...)")
+                cache = _new_cache(x_cp, kv_dtype, _scale_array(scale, x_cp, info, kv_dtype, per_head))
+                cache_len, positions_arr, like = tokens, None, x
+            else:
+                if scale is not None:
+                    raise ValueError("scale: a cache keeps its own scale (out.scale); pass scale=None with out=")
+                cache = _check_cache(out, kv_dtype, batch, num_kv_heads, head_dim)
+                cache_len = tensors.describe(cache.values, "out.values").shape[1]
+                positions_arr = _positions_array(positions, batch, tokens, cache_len)
+                like = None
+            status_arr = _status_array(status)
+            _launch(qspec, x_cp, cache, status_arr, positions_arr, tokens, num_kv_heads, cache_len)
+            if check:
+                _raise_for_status(int(status_arr.get()[0]), kv_dtype)
+    if like is not None and tensors._like_is_torch(info):
+        return _as_torch(cache)
+    return out if out is not None else cache
+
+
+def _launch(qspec, x_cp, cache, status_arr, positions, tokens, num_kv_heads, cache_len) -> None:
+    from .codegen import load_kernel
+
+    function, _ = load_kernel(qspec)
+    num_groups = x_cp.size // 16
+    threads = qspec.threads
+    grid = max(1, -(-num_groups // threads))
+    values, block_scales, scale = (_cupy(a) for a in (cache.values, cache.block_scales, cache.scale))
+    function((grid,), (threads,),
+             (x_cp.data.ptr, values.data.ptr, 0 if block_scales is None else block_scales.data.ptr,
+              scale.data.ptr, 0 if positions is None else positions.data.ptr, status_arr.data.ptr, np.int64(num_groups), np.int32(tokens),
+              np.int32(num_kv_heads), np.int32(cache_len), np.int32(scale.size > 1)))
+
+
+def _cupy(a):
+    return None if a is None else tensors.to_cupy(a)
+
+
+def _new_cache(x_cp, kv_dtype: str, scale) -> QuantizedKV:
+    import cupy
+
+    value_shape, block_shape = kv_formats.stored_shapes(x_cp.shape, kv_dtype)
+    values = cupy.empty(value_shape, cupy.uint8)
+    block_scales = None if block_shape is None else cupy.empty(block_shape, cupy.uint8)
+    return QuantizedKV(kv_dtype, values, block_scales, scale)
+
+
+def _scale_array(scale, x_cp, info, kv_dtype: str, per_head: bool):
+    """The scale as a device float32 array of 1 or Hkv values."""
+    import cupy
+
+    num_kv_heads = info.shape[2]
+    if scale is None:
+        return _default_scale(x_cp, info.dtype, kv_dtype, per_head)
+    if tensors.is_device_array(scale):
+        s = tensors.describe(scale, "scale")
+        if s.dtype != "fp32" or s.ndim != 1 or s.shape[0] not in (1, num_kv_heads) or not s.is_contiguous:
+            raise ValueError(f"scale: expected a contiguous float32 device array of 1 or num_kv_heads="
+                             f"{num_kv_heads} values, got {s.dtype} {s.shape}")
+        return tensors.to_cupy(scale)
+    host = np.asarray(scale, np.float64).reshape(-1)
+    kv_formats.head_scales(host, num_kv_heads)  # validates count and sign
+    return cupy.asarray(host.astype(np.float32))
+
+
+def _default_scale(x_cp, in_dtype: str, kv_dtype: str, per_head: bool):
+    """amax / format max over the finite elements, in float32 as kv_formats.default_scale_reference."""
+    import cupy
+
+    if in_dtype == "bf16":
+        values = (x_cp.view(cupy.uint16).astype(cupy.uint32) << 16).view(cupy.float32)
+    else:
+        values = x_cp.astype(cupy.float32)
+    magnitude = cupy.where(cupy.isfinite(values), cupy.abs(values), cupy.float32(0))
+    amax = magnitude.max(axis=(0, 1, 3)) if per_head else magnitude.max().reshape(1)
+    scale = amax / cupy.float32(kv_formats.format_max(kv_dtype))
+    return cupy.where(scale > 0, scale, cupy.float32(1)).astype(cupy.float32)
+
+
+def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: int) -> QuantizedKV:
+    if not isinstance(out, QuantizedKV):
+        raise TypeError(f"out: expected a QuantizedKV (from quantize_kv), got {type(out).__name__}")
+    if out.kv_dtype != kv_dtype:
+        raise ValueError(f"out: the cache holds {out.kv_dtype}, not {kv_dtype}")
+    values = tensors.describe(out.values, "out.values")
+    value_shape, block_shape = kv_formats.stored_shapes((batch, values.shape[1] if values.ndim == 4 else 0,
+                                                         num_kv_heads, head_dim), kv_dtype)
+    if values.ndim != 4 or values.shape != value_shape or values.dtype != "uint8":
+        raise ValueError(f"out.values: expected uint8 {value_shape} for x's batch, heads and head_dim, got "
+                         f"{values.dtype} {values.shape}")
+    tensors._check_layout(values, "out.values")
+    if block_shape is not None:
+        blocks = tensors.describe(out.block_scales, "out.block_scales")
+        if blocks.shape != block_shape or blocks.dtype != "uint8" or not blocks.is_contiguous:
+            raise ValueError(f"out.block_scales: expected contiguous uint8 {block_shape}, got "
+                             f"{blocks.dtype} {blocks.shape}")
+    s = tensors.describe(out.scale, "out.scale")
+    if s.dtype != "fp32" or s.ndim != 1 or s.shape[0] not in (1, num_kv_heads):
+        raise ValueError(f"out.scale: expected float32 of 1 or {num_kv_heads} values, got {s.dtype} {s.shape}")
+    return out
+
+
+def _positions_array(positions, batch: int, tokens: int, cache_len: int):
+    """The int32 positions on the device, or None. Host positions are checked here."""
+    import cupy
+
+    if positions is None:
+        if tokens > cache_len:
+            raise ValueError(f"x: {tokens} tokens do not fit a cache of {cache_len} rows")
+        return None
+    if tensors.is_device_array(positions):
+        info = tensors.describe(positions, "positions")
+        if info.dtype != "int32" or info.shape != (batch,) or not info.is_contiguous:
+            raise ValueError(f"positions: expected a contiguous int32 device array of shape ({batch},), got "
+                             f"{info.dtype} {info.shape}")
+        return tensors.to_cupy(positions)
+    host = np.asarray(positions)
+    if host.shape != (batch,) or (host.size and host.dtype.kind not in "iu"):
+        raise ValueError(f"positions: expected {batch} integers (one per sequence), got {host.dtype} {host.shape}")
+    end = host.astype(np.int64) + tokens
+    bad = np.flatnonzero((host < 0) | (end > cache_len))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"positions: positions[{i}] = {int(host[i])} with {tokens} tokens falls outside the "
+                         f"cache's {cache_len} rows")
+    return cupy.asarray(host.astype(np.int32))
+
+
+def _status_array(status):
+    import cupy
+
+    if status is None:
+        return cupy.zeros(1, cupy.int32)
+    info = tensors.describe(status, "status")
+    if info.dtype != "int32" or info.shape != (1,):
+        raise ValueError(f"status: expected a device int32 array of one element, got {info.dtype} {info.shape}")
+    return tensors.to_cupy(status)
+
+
+def _raise_for_status(bits: int, kv_dtype: str) -> None:
+    if bits & POSITION_OUT_OF_RANGE:
+        raise ValueError("positions: some tokens fall outside the cache (position < 0 or >= its length); "
+                         "they were not written")
+    if bits & NONFINITE_INPUT:
+        what = "elements" if kv_dtype == "fp8_e4m3" else "blocks (block scale 0x7f)"
+        raise NonFiniteInputError(f"x: holds NaN or Inf; the affected {what} were written as NaN")
+
+
+def _as_torch(cache: QuantizedKV) -> QuantizedKV:
+    import torch
+
+    def convert(a):
+        return None if a is None else torch.from_dlpack(a)
+
+    return QuantizedKV(cache.kv_dtype, convert(cache.values), convert(cache.block_scales), convert(cache.scale))
+
+
+def _to_host(a) -> np.ndarray:
+    return tensors.to_cupy(a).get()

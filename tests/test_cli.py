@@ -406,7 +406,7 @@ def test_real_codegen_offers_what_the_cli_calls():
         assert callable(getattr(codegen.compile, name)), name
     assert issubclass(codegen.compile.CompilerUnavailableError, Exception)
     assert issubclass(codegen.compile.CacheDirError, OSError)
-    assert set(codegen.helper_headers()) == {"primitives.cuh", "merge.cuh"}
+    assert set(codegen.helper_headers()) == {"primitives.cuh", "merge.cuh", "kv_formats.cuh"}
     assert issubclass(codegen.CompileError, Exception)
     err = codegen.CompileError("failed", "the log", Path("kernel.cu"))
     assert err.log == "the log" and err.source_path == Path("kernel.cu")

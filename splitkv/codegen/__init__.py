@@ -7,7 +7,7 @@ current device.
 from __future__ import annotations
 
 from ..heuristics import default_spec
-from ..spec import HEAD_DIMS, KV_DTYPES, KernelSpec, MergeSpec, parse_arch
+from ..spec import HEAD_DIMS, KV_DTYPES, QUANTIZE_FORMATS, KernelSpec, MergeSpec, QuantizeSpec, parse_arch
 from .compile import CompileError, CompileResult, compile_cubin
 from .render import helper_headers, render
 
@@ -19,7 +19,8 @@ def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> 
     """The kernel set ``splitkv-gen --arch ARCH`` builds: for every head_dim, group size and dtype
     (queries in the K/V dtype), the dense and split decode programs in their built-in CTA shape
     (the dense one also with a warp per K/V head, which the planner takes for batches of many
-    rows), and the merge program per head_dim and output dtype."""
+    rows), the merge program per head_dim and output dtype, and the K/V quantizer per head_dim,
+    input dtype and quantized format."""
     arch = parse_arch(arch)
     head_dims = tuple(head_dims or HEAD_DIMS)
     group_sizes = tuple(group_sizes or DEFAULT_GROUP_SIZES)
@@ -34,6 +35,7 @@ def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> 
                     specs.append(dense.replace(warp_heads=True))
                 specs.append(default_spec(arch, head_dim, group, dtype, dtype, "split"))
             specs.append(MergeSpec(arch=arch, head_dim=head_dim, out_dtype=dtype))
+            specs += [QuantizeSpec(arch=arch, head_dim=head_dim, in_dtype=dtype, kv_format=f) for f in QUANTIZE_FORMATS]
     return specs
 
 
@@ -44,5 +46,5 @@ def load_kernel(spec):
     return _load(spec)
 
 
-__all__ = ["CompileError", "CompileResult", "DEFAULT_GROUP_SIZES", "KernelSpec", "MergeSpec", "compile_cubin",
+__all__ = ["CompileError", "CompileResult", "DEFAULT_GROUP_SIZES", "KernelSpec", "MergeSpec", "QuantizeSpec", "compile_cubin",
            "default_specs", "helper_headers", "load_kernel", "render"]

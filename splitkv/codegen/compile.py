@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-from ..spec import KernelSpec, MergeSpec
 from .render import helper_headers, render
 
 _REGISTERS_RE = re.compile(r"Used (\d+) registers")
@@ -57,7 +56,7 @@ class CacheDirError(OSError):
 
 @dataclasses.dataclass(frozen=True)
 class CompileResult:
-    spec: KernelSpec | MergeSpec
+    spec: AnySpec
     source: str
     cubin: bytes
     registers: int | None
@@ -153,7 +152,7 @@ _memory_cache: dict[tuple, CompileResult] = {}
 _lock = threading.Lock()
 
 
-def compile_cubin(spec: KernelSpec | MergeSpec, *, use_disk_cache: bool = True,
+def compile_cubin(spec: AnySpec, *, use_disk_cache: bool = True,
                   source: str | None = None, headers: dict[str, str] | None = None) -> CompileResult:
     """Render ``spec`` and compile it to a cubin for ``spec.arch``; no GPU is involved.
 

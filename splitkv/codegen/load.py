@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-from ..spec import KernelSpec, MergeSpec
 from .compile import CompileResult, compile_cubin
 from .render import kernel_name
 
@@ -18,7 +17,7 @@ _loaded: dict[tuple, tuple] = {}
 _lock = threading.Lock()
 
 
-def load_kernel(spec: KernelSpec | MergeSpec, *, source: str | None = None,
+def load_kernel(spec: AnySpec, *, source: str | None = None,
                 headers: dict[str, str] | None = None):
     """(CuPy kernel function, CompileResult) for ``spec`` on the current device, cached per device.
 
@@ -29,7 +28,7 @@ def load_kernel(spec: KernelSpec | MergeSpec, *, source: str | None = None,
     return function, result
 
 
-def load_module(spec: KernelSpec | MergeSpec, *, source: str | None = None,
+def load_module(spec: AnySpec, *, source: str | None = None,
                 headers: dict[str, str] | None = None):
     """(CuPy module, its kernel function, CompileResult): `load_kernel`, with the module for tools
     that read the program's globals."""

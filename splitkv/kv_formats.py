@@ -6,8 +6,8 @@ a float32 ``scale`` per tensor (shape ``(1,)``) or per K/V head (shape ``(num_kv
 
 ``fp8_e4m3``
     One byte per element: OCP FP8 E4M3 ("fn": no infinities, max 448, NaN = ``0x7f`` / ``0xff``).
-    ``x ~= float(code) * scale``. Quantizing divides by the scale (IEEE float32 division), rounds to
-    nearest-even and saturates to +-448.
+    ``x ~= float(code) * scale``. Quantizing multiplies by ``1 / scale`` (both IEEE float32 operations),
+    rounds to nearest-even and saturates to +-448.
 
 ``nvfp4``
     NVIDIA's NVFP4: FP4 E2M1 values (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}), two per byte along head_dim,
@@ -15,8 +15,8 @@ a float32 ``scale`` per tensor (shape ``(1,)``) or per K/V head (shape ``(num_kv
     one E4M3 block scale per 16 consecutive elements (``[..., head_dim / 16]`` bytes, in order); and
     the float32 ``scale`` on top: ``x ~= e2m1 * float(block_scale) * scale``. A block's scale
     is its largest magnitude over 6, in units of ``scale``, rounded to nearest-even E4M3 and
-    saturated to 448; the elements are divided by ``block_scale * scale`` (float32), rounded to
-    nearest-even E2M1 and saturated to +-6. A block whose scale rounds to zero (all zeros, or
+    saturated to 448; the elements are multiplied by ``1 / (block_scale * scale)`` (float32),
+    rounded to nearest-even E2M1 and saturated to +-6. A block whose scale rounds to zero (all zeros, or
     tiny next to ``scale``) is all zeros.
 
 Default scales map the tensor's (or the head's) largest magnitude onto the format's largest value:
@@ -144,7 +144,7 @@ def quantize_reference(x: np.ndarray, kv_format: str, scale) -> tuple[np.ndarray
     finite = np.isfinite(x)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         if kv_format == "fp8_e4m3":
-            codes = round_e4m3(np.where(finite, x / heads, 0))
+            codes = round_e4m3(np.where(finite, x * (np.float32(1) / heads), 0))
             return np.where(finite, codes, np.uint8(E4M3_NAN)).astype(np.uint8), None
         blocks = x.reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
         block_finite = finite.reshape(blocks.shape).all(axis=-1)
@@ -152,7 +152,8 @@ def quantize_reference(x: np.ndarray, kv_format: str, scale) -> tuple[np.ndarray
         amax = np.abs(np.where(block_finite[..., None], blocks, 0)).max(axis=-1)
         block_codes = round_e4m3(amax / (np.float32(E2M1_MAX) * unit[..., 0]))
         divisor = decode_e4m3(block_codes).astype(np.float32)[..., None] * unit
-        y = np.where((divisor > 0) & block_finite[..., None], blocks / divisor, 0)
+        inv = np.where((divisor > 0) & block_finite[..., None], np.float32(1) / divisor, np.float32(0))
+        y = np.where(block_finite[..., None], blocks, 0) * inv
         nibbles = round_e2m1(y).reshape(x.shape)
     values = (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
     block_codes = np.where(block_finite, block_codes, np.uint8(E4M3_NAN)).astype(np.uint8)

@@ -105,21 +105,20 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
                 if positions is not None:
                     raise ValueError("positions: only for writing into a cache (out=...)")
                 cache = _new_cache(x_cp, kv_dtype, _scale_array(scale, x_cp, info, kv_dtype, per_head))
-                cache_len, positions_arr, like = tokens, None, x
+                cache_len, positions_arr = tokens, None
             else:
                 if scale is not None:
                     raise ValueError("scale: a cache keeps its own scale (out.scale); pass scale=None with out=")
                 cache = _check_cache(out, kv_dtype, batch, num_kv_heads, head_dim)
                 cache_len = tensors.describe(cache.values, "out.values").shape[1]
                 positions_arr = _positions_array(positions, batch, tokens, cache_len)
-                like = None
             status_arr = _status_array(status)
             _launch(qspec, x_cp, cache, status_arr, positions_arr, tokens, num_kv_heads, cache_len)
             if check:
                 _raise_for_status(int(status_arr.get()[0]), kv_dtype)
-    if like is not None and tensors._like_is_torch(info):
-        return _as_torch(cache)
-    return out if out is not None else cache
+    if out is not None:
+        return out
+    return _as_torch(cache) if tensors._like_is_torch(info) else cache
 
 
 def _launch(qspec, x_cp, cache, status_arr, positions, tokens, num_kv_heads, cache_len) -> None:
@@ -157,10 +156,7 @@ def _scale_array(scale, x_cp, info, kv_dtype: str, per_head: bool):
     if scale is None:
         return _default_scale(x_cp, info.dtype, kv_dtype, per_head)
     if tensors.is_device_array(scale):
-        s = tensors.describe(scale, "scale")
-        if s.dtype != "fp32" or s.ndim != 1 or s.shape[0] not in (1, num_kv_heads) or not s.is_contiguous:
-            raise ValueError(f"scale: expected a contiguous float32 device array of 1 or num_kv_heads="
-                             f"{num_kv_heads} values, got {s.dtype} {s.shape}")
+        _check_device_scale(scale, "scale", num_kv_heads)
         return tensors.to_cupy(scale)
     host = np.asarray(scale, np.float64).reshape(-1)
     kv_formats.head_scales(host, num_kv_heads)  # validates count and sign
@@ -198,10 +194,15 @@ def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: in
         if blocks.shape != block_shape or blocks.dtype != "uint8" or not blocks.is_contiguous:
             raise ValueError(f"out.block_scales: expected contiguous uint8 {block_shape}, got "
                              f"{blocks.dtype} {blocks.shape}")
-    s = tensors.describe(out.scale, "out.scale")
-    if s.dtype != "fp32" or s.ndim != 1 or s.shape[0] not in (1, num_kv_heads):
-        raise ValueError(f"out.scale: expected float32 of 1 or {num_kv_heads} values, got {s.dtype} {s.shape}")
+    _check_device_scale(out.scale, "out.scale", num_kv_heads)
     return out
+
+
+def _check_device_scale(scale, name: str, num_kv_heads: int) -> None:
+    info = tensors.describe(scale, name)
+    if info.dtype != "fp32" or info.ndim != 1 or info.shape[0] not in (1, num_kv_heads) or not info.is_contiguous:
+        raise ValueError(f"{name}: expected a contiguous float32 device array of 1 or num_kv_heads="
+                         f"{num_kv_heads} values, got {info.dtype} {info.shape}")
 
 
 def _positions_array(positions, batch: int, tokens: int, cache_len: int):

@@ -35,14 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import cluster_layout
-from .spec import KernelSpec, arch_number
+from .spec import KV_DTYPE_BITS, NVFP4_BLOCK, KernelSpec, arch_number
 
 # ---------------------------------------------------------------------------------------------
 # Shapes
 # ---------------------------------------------------------------------------------------------
 
-#: Bytes per element of the K/V and query/output types the benchmark allocates.
+#: Bytes per element of the query/output type the benchmark allocates.
 DTYPE_BYTES = {"bf16": 2}
+#: K/V formats a shape may name (its sixth field; bf16 when absent), and their spelling there.
+KV_FORMATS = {"bf16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "nvfp4": "nvfp4"}
+_FORMAT_TOKENS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4"}
 
 
 @dataclass(frozen=True)
@@ -63,20 +66,31 @@ class Shape:
     @property
     def token(self) -> str:
         """The ``--shapes`` token that parses back to this shape."""
+        fmt = f":{_FORMAT_TOKENS[self.kv_dtype]}" if self.kv_dtype != "bf16" else ""
         return (f"{self.batch}:{self.num_qo_heads}:{self.num_kv_heads}:{self.head_dim}:"
-                f"{format_length(self.seq_len)}")
+                f"{format_length(self.seq_len)}{fmt}")
 
     @property
     def label(self) -> str:
-        """'1, 32/8, 128, 4k': the notation of the reference tables."""
+        """'1, 32/8, 128, 4k': the notation of the reference tables (', fp8' or ', nvfp4' appended
+        for a quantized K/V cache)."""
+        fmt = f", {_FORMAT_TOKENS[self.kv_dtype]}" if self.kv_dtype != "bf16" else ""
         return (f"{self.batch}, {self.num_qo_heads}/{self.num_kv_heads}, {self.head_dim}, "
-                f"{format_length(self.seq_len)}")
+                f"{format_length(self.seq_len)}{fmt}")
 
-    # Byte accounting: what a decode must move at the least. K and V are read once; q is read and
-    # the output written once (both tiny next to K/V, but counted so that GB/s is honest).
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "bf16"
+
+    # Byte accounting: what a decode must move at the least. K and V are read once, in their own
+    # format (NVFP4's block scales included); q is read and the output written once (both tiny next
+    # to K/V, but counted so that GB/s is honest).
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.batch * self.seq_len * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+        per_row = self.head_dim * KV_DTYPE_BITS[self.kv_dtype] // 8
+        if self.kv_dtype == "nvfp4":
+            per_row += self.head_dim // NVFP4_BLOCK
+        return 2 * self.batch * self.seq_len * self.num_kv_heads * per_row
 
     @property
     def q_bytes(self) -> int:
@@ -118,11 +132,17 @@ def format_length(n: int) -> str:
 
 
 def parse_shape(token: str) -> Shape:
-    """Parse 'B:Hq:Hkv:D:L' (L may be written 4k); raises ValueError naming the bad part."""
+    """Parse 'B:Hq:Hkv:D:L' (L may be written 4k), optionally ':fp8' or ':nvfp4' for a quantized
+    K/V cache; raises ValueError naming the bad part."""
     text = str(token).strip()
     parts = text.split(":")
-    if len(parts) != 5:
-        raise ValueError(f"shape {token!r}: expected B:Hq:Hkv:D:L, e.g. 1:32:8:128:4k")
+    if len(parts) not in (5, 6):
+        raise ValueError(f"shape {token!r}: expected B:Hq:Hkv:D:L[:FORMAT], e.g. 1:32:8:128:4k or 1:32:8:128:4k:fp8")
+    kv_dtype = "bf16"
+    if len(parts) == 6:
+        kv_dtype = KV_FORMATS.get(parts[5].strip().lower())
+        if kv_dtype is None:
+            raise ValueError(f"shape {token!r}: format must be one of {sorted(KV_FORMATS)}, got {parts[5]!r}")
     names = ("B", "Hq", "Hkv", "D")
     values = []
     for name, part in zip(names, parts[:4]):
@@ -139,7 +159,7 @@ def parse_shape(token: str) -> Shape:
             raise ValueError(f"shape {token!r}: {name} must be positive, got {value}")
     if hq % hkv:
         raise ValueError(f"shape {token!r}: Hq={hq} is not a multiple of Hkv={hkv}")
-    return Shape(batch, hq, hkv, head_dim, seq_len)
+    return Shape(batch, hq, hkv, head_dim, seq_len, kv_dtype)
 
 
 def parse_shapes(tokens) -> list[Shape]:
@@ -161,6 +181,11 @@ DEFAULT_SHAPES = parse_shapes([
     "16:32:8:128:4k", "64:32:8:128:1k",
     "1:64:8:128:32k", "1:16:2:256:16k",
     "1:8:1:128:64k",  # one K/V head per GPU, as 8-way tensor parallelism leaves an 8-K/V-head model
+    # The FP8 rows of the reference table (FlashInfer FP8 beside them), 16k for the 1.8x claim; NVFP4
+    # on the same shapes, which no peer decodes on Hopper.
+    "1:32:8:128:4k:fp8", "1:32:8:128:16k:fp8", "1:32:8:128:64k:fp8", "1:32:8:128:128k:fp8", "16:32:8:128:4k:fp8",
+    "1:32:8:128:4k:nvfp4", "1:32:8:128:16k:nvfp4", "1:32:8:128:64k:nvfp4", "1:32:8:128:128k:nvfp4",
+    "16:32:8:128:4k:nvfp4",
 ])
 #: One launch-bound, one bandwidth-bound and one batched shape.
 QUICK_SHAPES = parse_shapes(["1:32:8:128:4k", "1:32:8:128:64k", "16:32:8:128:4k"])
@@ -765,7 +790,10 @@ class Harness:
 
 
 class Inputs:
-    """q [B, Hq, D], k and v [B, L, Hkv, D] (contiguous), random normal bf16, never zeros."""
+    """q [B, Hq, D], k and v [B, L, Hkv, D] (contiguous), random normal bf16, never zeros. For a
+    quantized shape, ``k`` and ``v`` are the bf16 values quantized on the GPU (`splitkv.QuantizedKV`,
+    per-tensor scales) and ``k_bf16``, ``v_bf16`` the values they came from, which the reference
+    reads: the error reported for them is the format's, end to end."""
 
     def __init__(self, shape: Shape, seed: int, torch_mod=None):
         self.shape = shape
@@ -785,6 +813,12 @@ class Inputs:
             self.q = _cupy_bf16_randn(rng, (b, hq, d))
             self.k = _cupy_bf16_randn(rng, (b, n, hkv, d))
             self.v = _cupy_bf16_randn(rng, (b, n, hkv, d))
+        self.k_bf16, self.v_bf16 = self.k, self.v
+        if shape.quantized:
+            import splitkv
+
+            self.k = splitkv.quantize_kv(self.k_bf16, shape.kv_dtype)
+            self.v = splitkv.quantize_kv(self.v_bf16, shape.kv_dtype)
 
     def empty_out(self):
         if self.torch is not None:
@@ -822,9 +856,9 @@ def reference_output(inputs: Inputs):
         return None
     s = inputs.shape
     q = inputs.q.float().view(s.batch, s.num_kv_heads, s.group_size, s.head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, inputs.k.float()) * (1.0 / math.sqrt(s.head_dim))
+    scores = torch.einsum("bhgd,blhd->bhgl", q, inputs.k_bf16.float()) * (1.0 / math.sqrt(s.head_dim))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, inputs.v.float())
+    out = torch.einsum("bhgl,blhd->bhgd", probs, inputs.v_bf16.float())
     return out.reshape(s.batch, s.num_qo_heads, s.head_dim)
 
 
@@ -896,6 +930,8 @@ def sdpa_case(inputs: Inputs, backend: str) -> Case:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     s = inputs.shape
+    if s.quantized:
+        raise Unavailable(f"SDPA reads bf16/fp16 K/V, not {s.kv_dtype}")
     which = getattr(SDPBackend, backend)
 
     def context():
@@ -953,14 +989,29 @@ def flashinfer_single_case(inputs: Inputs, use_tensor_cores: bool) -> Case:
     s = inputs.shape
     if s.batch != 1:
         raise ValueError("single-request decode only (B=1)")
-    q, k, v = inputs.q[0], inputs.k[0], inputs.v[0]  # [Hq, D] and [L, Hkv, D]: NHD, no copies
+    k, v, scales = _flashinfer_kv(inputs)
+    q, k, v = inputs.q[0], k[0], v[0]  # [Hq, D] and [L, Hkv, D]: NHD, no copies
     holder = {}
 
     def fn():
         holder["out"] = flashinfer.single_decode_with_kv_cache(
-            q, k, v, kv_layout="NHD", use_tensor_cores=use_tensor_cores)
+            q, k, v, kv_layout="NHD", use_tensor_cores=use_tensor_cores, **scales)
 
     return Case(fn, lambda: holder["out"].unsqueeze(0), None, {"kv_layout": "NHD"})
+
+
+def _flashinfer_kv(inputs: Inputs):
+    """K and V as FlashInfer takes them: the bf16 tensors, or an FP8 cache's very bytes as
+    float8_e4m3fn with its per-tensor scales (keyword arguments of the decode call); FlashInfer has
+    no NVFP4 decode on Hopper."""
+    s = inputs.shape
+    if not s.quantized:
+        return inputs.k, inputs.v, {}
+    if s.kv_dtype != "fp8_e4m3":
+        raise Unavailable(f"FlashInfer has no {s.kv_dtype} K/V decode for this GPU")
+    torch = inputs.torch
+    k, v = (c.values.view(torch.float8_e4m3fn) for c in (inputs.k, inputs.v))
+    return k, v, {"k_scale": float(inputs.k.scale[0]), "v_scale": float(inputs.v.scale[0])}
 
 
 PAGE_SIZE = 16
@@ -971,17 +1022,18 @@ def flashinfer_paged_case(inputs: Inputs, use_tensor_cores: bool) -> Case:
 
     torch = inputs.torch
     s = inputs.shape
+    k, v, scales = _flashinfer_kv(inputs)
     pages_per_seq = -(-s.seq_len // PAGE_SIZE)
     if s.seq_len % PAGE_SIZE == 0:
         # [B, L, Hkv, D] contiguous already is a page pool [B*L/16, 16, Hkv, D]: the same bytes.
-        k_cache = inputs.k.view(s.batch * pages_per_seq, PAGE_SIZE, s.num_kv_heads, s.head_dim)
-        v_cache = inputs.v.view(s.batch * pages_per_seq, PAGE_SIZE, s.num_kv_heads, s.head_dim)
+        k_cache = k.view(s.batch * pages_per_seq, PAGE_SIZE, s.num_kv_heads, s.head_dim)
+        v_cache = v.view(s.batch * pages_per_seq, PAGE_SIZE, s.num_kv_heads, s.head_dim)
     else:
         padded = (s.batch, pages_per_seq * PAGE_SIZE, s.num_kv_heads, s.head_dim)
-        k_cache = torch.empty(padded, dtype=inputs.k.dtype, device="cuda")
-        v_cache = torch.empty(padded, dtype=inputs.v.dtype, device="cuda")
-        k_cache[:, : s.seq_len].copy_(inputs.k)
-        v_cache[:, : s.seq_len].copy_(inputs.v)
+        k_cache = torch.empty(padded, dtype=k.dtype, device="cuda")
+        v_cache = torch.empty(padded, dtype=v.dtype, device="cuda")
+        k_cache[:, : s.seq_len].copy_(k)
+        v_cache[:, : s.seq_len].copy_(v)
         k_cache = k_cache.view(s.batch * pages_per_seq, PAGE_SIZE, s.num_kv_heads, s.head_dim)
         v_cache = v_cache.view(s.batch * pages_per_seq, PAGE_SIZE, s.num_kv_heads, s.head_dim)
     dev = "cuda"
@@ -992,12 +1044,12 @@ def flashinfer_paged_case(inputs: Inputs, use_tensor_cores: bool) -> Case:
     workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=dev)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
     wrapper.plan(indptr, indices, last_page_len, s.num_qo_heads, s.num_kv_heads, s.head_dim, PAGE_SIZE,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                 q_data_type=torch.bfloat16, kv_data_type=k.dtype)
     q = inputs.q
     out = torch.empty_like(q)
     cache = (k_cache, v_cache)
     try:
-        wrapper.run(q, cache, out=out)
+        wrapper.run(q, cache, out=out, **scales)
         takes_out = True
     except TypeError:
         takes_out = False
@@ -1005,10 +1057,10 @@ def flashinfer_paged_case(inputs: Inputs, use_tensor_cores: bool) -> Case:
 
     if takes_out:
         def fn():
-            wrapper.run(q, cache, out=out)
+            wrapper.run(q, cache, out=out, **scales)
     else:
         def fn():
-            holder["out"] = wrapper.run(q, cache)
+            holder["out"] = wrapper.run(q, cache, **scales)
 
     info = {"page_size": PAGE_SIZE, "kv_layout": "NHD", "out_preallocated": takes_out}
     return Case(fn, lambda: holder["out"], None, info, keep=(workspace, indptr, indices, last_page_len, wrapper))

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import streams, tensors
 from .heuristics import default_spec, resident_ctas_per_sm
+from .quantize import QuantizedKV
 from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
                    wants_packed_heads, whole_row_ctas)
 from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
@@ -235,7 +236,7 @@ class DecodeAttention:
         if spec.kv_copy == "tma" and max_planned == 0:
             # k.shape[1] may then be 0, and a tensor map cannot describe no rows: such maps describe
             # this tile instead, which no CTA reads (every length is 0, so no tile is requested).
-            tile_bytes = spec.tile_tokens * self.num_kv_heads * self.head_dim * spec.kv_elem_bytes
+            tile_bytes = spec.tile_tokens * self.num_kv_heads * spec.kv_row_bytes
             empty_kv_ptr = self._buffer("empty_kv", tile_bytes, np.uint8).data.ptr
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, max_planned,
                                grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
@@ -298,6 +299,10 @@ class DecodeAttention:
     def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False, stream=None):
         """Attention of ``q`` over the planned lengths of ``k`` / ``v``; returns out (and lse).
 
+        ``k`` and ``v``: arrays of the instance's kv_dtype, or for a quantized kv_dtype ('fp8_e4m3',
+        'nvfp4') `splitkv.QuantizedKV` caches (from `splitkv.quantize_kv`), whose scales are read on
+        the device at every run, so they may change between CUDA-graph replays.
+
         Pass ``out`` (and ``lse``) to make the call allocation-free. Inputs are validated in full
         the first time a layout (kinds, shapes, strides, dtypes, devices) is seen after plan();
         later calls with the same layout only read the data pointers.
@@ -324,6 +329,7 @@ class DecodeAttention:
                 streams.wait_for_producer(producer, launch_stream, self._producer_events)
             self._validated_layout = None if None in layout else layout
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(_data_ptr(x)) for x in arrays)
+        quantized_args = _quantized_args(k, v)
 
         plan, spec = launch.plan, launch.spec
         cache_len = _cache_len(k)
@@ -339,7 +345,7 @@ class DecodeAttention:
             launch.grid, (spec.threads,),
             (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
              np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
-             np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps),
+             np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps, *quantized_args),
             shared_mem=spec.smem_bytes)
         del map_bytes  # held until the launch has copied the maps
         if launch.merge_fn is not None:
@@ -354,7 +360,14 @@ class DecodeAttention:
     def _validate(self, arrays) -> list:
         """Checks the run's arrays; returns the streams their producers named (interface 'stream')."""
         q, k, v, out, lse = arrays
-        infos = [tensors.describe(x, name, bf16_from_uint16=True) for x, name in zip(arrays[:4], "q k v out".split())]
+        infos = [tensors.describe_kv(x, name) if name in "kv" else tensors.describe(x, name, bf16_from_uint16=True)
+                 for x, name in zip(arrays[:4], "q k v out".split())]
+        for x, name in ((k, "k"), (v, "v")):
+            if isinstance(x, QuantizedKV):  # its scales must sit with its values
+                parts = tensors.describe_quantized(x, name)
+                for part, part_name in ((parts.block_scales, "block_scales"), (parts.scale, "scale")):
+                    if part is not None:
+                        _check_device(f"{name}.{part_name}", part, self.device, "this DecodeAttention runs on")
         lse_info = tensors.describe(lse, "lse") if lse is not None else None
         for name, info in zip("q k v out lse".split(), (*infos, lse_info)):
             if info is not None:
@@ -394,8 +407,8 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
     back); for the hot loop of a server use `DecodeAttention` and call ``run`` per layer.
     """
     qi = tensors.describe(q, "q", bf16_from_uint16=True)
-    ki = tensors.describe(k, "k", bf16_from_uint16=True)
-    vi = tensors.describe(v, "v", bf16_from_uint16=True)
+    ki = tensors.describe_kv(k, "k")
+    vi = tensors.describe_kv(v, "v")
     shapes = tensors.check_decode_inputs(qi, ki, vi)
     sm_scale = _checked_sm_scale(sm_scale)
     import cupy
@@ -485,6 +498,9 @@ def _layout(x):
     such inputs are validated on every call)."""
     if x is None:
         return ()
+    if isinstance(x, QuantizedKV):  # its parts' layouts, and its format
+        parts = tuple(_layout(a) for a in (x.values, x.block_scales, x.scale))
+        return None if None in parts else (x.kv_dtype, *parts)
     module = type(x).__module__
     if module.startswith("torch"):
         return ("torch", x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % _ALIGN)
@@ -495,6 +511,7 @@ def _layout(x):
 
 def _cache_len(k) -> int:
     """Tokens the cache holds per sequence (k.shape[1]), for arrays without a .shape attribute too."""
+    k = getattr(k, "values", k)  # a QuantizedKV: its values' rows
     shape = getattr(k, "shape", None)
     return int(shape[1]) if shape is not None else tensors.describe(k, "k").shape[1]
 
@@ -502,12 +519,27 @@ def _cache_len(k) -> int:
 def _data_ptr(x) -> int:
     if x is None:
         return 0
+    if isinstance(x, QuantizedKV):  # its values
+        return _data_ptr(x.values)
     module = type(x).__module__
     if module.startswith("torch"):
         return x.data_ptr()
     if module.startswith("cupy"):
         return x.data.ptr
     return tensors.describe(x, "array").ptr
+
+
+def _quantized_args(k, v) -> tuple:
+    """The decode program's last arguments: K's and V's float32 scales (pointer, and 1 when there is
+    one per K/V head), then their NVFP4 block scales; zeros for 16-bit K/V."""
+    if not isinstance(k, QuantizedKV):
+        return (np.uint64(0), np.int32(0), np.uint64(0), np.int32(0), np.uint64(0), np.uint64(0))
+
+    def per_head(scale):
+        shape = getattr(scale, "shape", None)
+        return np.int32((shape[0] if shape is not None else tensors.describe(scale, "scale").shape[0]) > 1)
+    return (np.uint64(_data_ptr(k.scale)), per_head(k.scale), np.uint64(_data_ptr(v.scale)), per_head(v.scale),
+            np.uint64(_data_ptr(k.block_scales)), np.uint64(_data_ptr(v.block_scales)))
 
 
 def _new_output(q, *, lse: bool = False, stream: int | None = None):

@@ -19,9 +19,14 @@ HEAD_DIMS = (64, 96, 128, 256)
 MAX_GROUP = 16
 #: Query / output element types.
 Q_DTYPES = ("bf16", "fp16")
-#: K/V element types. Quantized formats join this tuple (and `KV_DTYPE_BITS`) as new values.
-KV_DTYPES = ("bf16", "fp16")
-KV_DTYPE_BITS = {"bf16": 16, "fp16": 16}
+#: K/V element types: 16-bit floats, or the quantized formats of `splitkv.kv_formats` (FP8 E4M3
+#: elements; NVFP4 E2M1 elements two per byte with an E4M3 scale per 16), dequantized in registers.
+KV_DTYPES = ("bf16", "fp16", "fp8_e4m3", "nvfp4")
+KV_DTYPE_BITS = {"bf16": 16, "fp16": 16, "fp8_e4m3": 8, "nvfp4": 4}
+#: The quantized K/V formats: their MMAs run in fp16 (sm_90 converts E4M3 to fp16 only).
+QUANTIZED_KV_DTYPES = ("fp8_e4m3", "nvfp4")
+#: NVFP4 elements per E4M3 block scale.
+NVFP4_BLOCK = 16
 #: dense: one CTA per (sequence, K/V head) writes the final output.
 #: split: several CTAs per (sequence, K/V head) write fp32 partials and their log-sum-exp,
 #: and an exact merge combines them (fused into the last CTA of a row, or a separate program).
@@ -42,8 +47,16 @@ TMA_BOX_BYTES = 128
 
 
 def rows_fit_tma_boxes(head_dim: int, kv_dtype: str) -> bool:
-    """Whether a K/V row of ``head_dim`` elements is a whole number of tensor-map boxes."""
-    return head_dim * KV_DTYPE_BITS[kv_dtype] % (8 * TMA_BOX_BYTES) == 0
+    """Whether a K/V row of ``head_dim`` elements is a whole number of tensor-map boxes (never for
+    NVFP4, whose block scales are rows of 4-16 bytes that neither tensor maps nor bulk copies move)."""
+    return kv_dtype != "nvfp4" and head_dim * KV_DTYPE_BITS[kv_dtype] % (8 * TMA_BOX_BYTES) == 0
+
+
+def hardware_e2m1(arch: str) -> bool:
+    """Whether ``arch`` converts E2M1 to fp16 in hardware (``cvt.rn.f16x2.e2m1x2``: the
+    arch-specific targets from sm_100a on); elsewhere the NVFP4 programs decode it with integer ops."""
+    arch = parse_arch(arch)
+    return arch.endswith("a") and arch_number(arch) >= 100
 #: Tiles per draw from a row's tile counter (0: no stealing).
 STEAL_TILES = (0, 1, 2, 4, 8)
 #: Ints between two rows' tile counters, and the alignment of the first: one 128-byte L2 line per
@@ -84,9 +97,9 @@ ARCHS = {
     120: ArchLimits(100 * 1024, 99 * 1024, 1536, 32),   # RTX 50, RTX PRO 6000
     121: ArchLimits(100 * 1024, 99 * 1024, 1536, 32),   # DGX Spark
 }
-#: Shared-memory row padding in elements: one 16-byte chunk, so that the eight rows an ldmatrix
-#: reads fall in distinct banks for every supported head_dim.
-SMEM_ROW_PAD = 8
+#: Shared-memory row padding in bytes: one 16-byte chunk, so that the eight rows an ldmatrix
+#: reads fall in distinct banks for every supported head_dim and K/V format.
+SMEM_ROW_PAD_BYTES = 16
 
 _ARCH_RE = re.compile(r"^sm_?(\d+)(a?)$")
 
@@ -183,6 +196,17 @@ class KernelSpec:
         _check_choice("kv_copy", self.kv_copy, KV_COPIES)
         if self.kv_copy in ("bulk", "tma") and arch_number(self.arch) < 90:
             raise ValueError(f"kv_copy: '{self.kv_copy}' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
+        if self.kv_dtype in QUANTIZED_KV_DTYPES and arch_number(self.arch) < 89:
+            raise ValueError(f"kv_dtype: {self.kv_dtype} K/V are converted with cvt.f16x2.e4m3x2, which needs sm_89 "
+                             f"or newer; got arch {self.arch}")
+        if self.kv_dtype == "nvfp4" and self.kv_copy != "cp_async":
+            raise ValueError("kv_copy: NVFP4 block scales arrive through cp.async; use kv_copy='cp_async'")
+        if self.kv_dtype == "nvfp4" and self.head_dim % 64:
+            raise ValueError(f"head_dim: NVFP4 programs copy each row's block scales as one 4-16 byte piece, "
+                             f"so head_dim must be a multiple of 64; got {self.head_dim}")
+        if self.kv_dtype in QUANTIZED_KV_DTYPES and self.tile_tokens * self.kv_row_bytes % (16 * 32):
+            raise ValueError(f"tile_tokens: a tile of {self.tile_tokens} rows of {self.kv_row_bytes} bytes is not "
+                             f"a whole number of 16-byte copies per lane; use a longer tile")
         if self.kv_copy == "tma" and not rows_fit_tma_boxes(self.head_dim, self.kv_dtype):
             raise ValueError(f"kv_copy: 'tma' copies K/V rows in boxes of {TMA_BOX_BYTES} bytes; head_dim "
                              f"{self.head_dim} of {self.kv_dtype} is not a whole number of them")
@@ -224,14 +248,36 @@ class KernelSpec:
         return 8 if self.group_size <= 8 else 16
 
     @property
+    def kv_bits(self) -> int:
+        """Bits of one K/V element (its block scale not counted)."""
+        return KV_DTYPE_BITS[self.kv_dtype]
+
+    @property
     def kv_elem_bytes(self) -> int:
-        """Bytes of one K/V element."""
-        return KV_DTYPE_BITS[self.kv_dtype] // 8
+        """Bytes of the elements a tensor map describes K/V in (8- and 16-bit formats only)."""
+        if self.kv_bits < 8:
+            raise ValueError(f"kv_elem_bytes: {self.kv_dtype} packs two elements per byte")
+        return self.kv_bits // 8
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's K (or V) values of one K/V head."""
+        return self.head_dim * self.kv_bits // 8
+
+    @property
+    def kv_scale_row_bytes(self) -> int:
+        """Bytes of one token's NVFP4 block scales of one K/V head (0 for other formats)."""
+        return self.head_dim // NVFP4_BLOCK if self.kv_dtype == "nvfp4" else 0
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K plus V one token of one K/V head occupies in memory."""
-        return 2 * self.head_dim * KV_DTYPE_BITS[self.kv_dtype] // 8
+        """Bytes of K plus V (block scales included) one token of one K/V head occupies in memory."""
+        return 2 * (self.kv_row_bytes + self.kv_scale_row_bytes)
+
+    @property
+    def mma_dtype(self) -> str:
+        """The MMAs' operand type: the K/V type, or fp16 for quantized K/V (Q is converted once)."""
+        return "fp16" if self.kv_dtype in QUANTIZED_KV_DTYPES else self.kv_dtype
 
     @property
     def cluster_slice(self) -> int:
@@ -240,16 +286,20 @@ class KernelSpec:
 
     @property
     def smem_pad(self) -> int:
-        """Elements of padding after each K/V row in shared memory: none where the copy engine
+        """Bytes of padding after each K/V row in shared memory: none where the copy engine
         swizzles the rows instead (tma)."""
-        return 0 if self.kv_copy == "tma" else SMEM_ROW_PAD
+        return 0 if self.kv_copy == "tma" else SMEM_ROW_PAD_BYTES
+
+    @property
+    def tile_bytes(self) -> int:
+        """Shared memory of one K (or V) tile: padded rows of values, then (NVFP4) block-scale rows."""
+        return self.tile_tokens * (self.kv_row_bytes + self.smem_pad + self.kv_scale_row_bytes)
 
     @property
     def inbox_offset(self) -> int:
         """Byte offset of the cluster inbox in dynamic shared memory: past the per-warp K/V rings
         and the CTA's final combine, which reuses the rings' bytes once they are drained."""
-        row = (self.head_dim + self.smem_pad) * self.kv_elem_bytes
-        ring = self.warps * self.stages * self.tile_tokens * row * 2
+        ring = self.warps * self.stages * self.tile_bytes * 2
         return -(-max(ring, self.combine_bytes) // 16) * 16
 
     @property

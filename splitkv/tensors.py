@@ -300,6 +300,69 @@ class DecodeShapes:
     kv_dtype: str
 
 
+@dataclass(frozen=True)
+class QuantizedParts:
+    """The device arrays of a validated quantized K or V (`splitkv.QuantizedKV`), as described."""
+
+    values: TensorInfo
+    block_scales: TensorInfo | None
+    scale: TensorInfo
+
+
+def is_quantized_kv(x: Any) -> bool:
+    """Whether ``x`` is a quantized K or V tensor (`splitkv.QuantizedKV`)."""
+    from .quantize import QuantizedKV
+
+    return isinstance(x, QuantizedKV)
+
+
+def describe_kv(x: Any, name: str) -> TensorInfo:
+    """`describe` for K or V: a plain array (bf16 from uint16 allowed), or a `splitkv.QuantizedKV`,
+    whose parts are checked here and which is described by its logical shape [B, L, Hkv, D] and its
+    format as the dtype (the pointer is its values')."""
+    if not is_quantized_kv(x):
+        return describe(x, name, bf16_from_uint16=True)
+    parts = describe_quantized(x, name)
+    batch, length, heads, width = parts.values.shape
+    shape = (batch, length, heads, width * 8 // spec.KV_DTYPE_BITS[x.kv_dtype])
+    return TensorInfo(parts.values.ptr, shape, _contiguous_strides(shape), x.kv_dtype, parts.values.device,
+                      parts.values.kind, parts.values.stream, parts.values.readonly)
+
+
+def describe_quantized(x: Any, name: str) -> QuantizedParts:
+    """The parts of a `splitkv.QuantizedKV`, checked: uint8 values [B, L, Hkv, D x bits / 8],
+    (NVFP4) uint8 block scales [B, L, Hkv, D / 16], float32 scale of 1 or Hkv values, contiguous,
+    16-byte aligned and on one device. TypeError / ValueError name the part."""
+    if x.kv_dtype not in spec.QUANTIZED_KV_DTYPES:
+        raise ValueError(f"{name}: unknown quantized format {x.kv_dtype!r}; expected one of "
+                         f"{list(spec.QUANTIZED_KV_DTYPES)}")
+    values = describe(x.values, f"{name}.values")
+    _check_rank(values, f"{name}.values", 4, "[batch, max_len, num_kv_heads, packed head_dim]")
+    if values.dtype != "uint8":
+        raise TypeError(f"{name}.values: expected dtype uint8, got {values.dtype}")
+    _check_layout(values, f"{name}.values")
+    heads = values.shape[2]
+    block_scales = None
+    if x.kv_dtype == "nvfp4":
+        if x.block_scales is None:
+            raise ValueError(f"{name}.block_scales: NVFP4 needs its block scales, got None")
+        block_scales = describe(x.block_scales, f"{name}.block_scales")
+        expected = (*values.shape[:3], values.shape[3] * 2 // spec.NVFP4_BLOCK)
+        if block_scales.shape != expected or block_scales.dtype != "uint8":
+            raise ValueError(f"{name}.block_scales: expected uint8 {expected}, got {block_scales.dtype} "
+                             f"{block_scales.shape}")
+        _check_layout(block_scales, f"{name}.block_scales")
+        _check_same_device(block_scales, f"{name}.block_scales", values)
+    elif x.block_scales is not None:
+        raise ValueError(f"{name}.block_scales: {x.kv_dtype} has no block scales; expected None")
+    scale = describe(x.scale, f"{name}.scale")
+    if scale.dtype != "fp32" or scale.ndim != 1 or scale.shape[0] not in (1, heads) or not scale.is_contiguous:
+        raise ValueError(f"{name}.scale: expected a contiguous float32 array of 1 or num_kv_heads={heads} "
+                         f"values, got {scale.dtype} {scale.shape}")
+    _check_same_device(scale, f"{name}.scale", values)
+    return QuantizedParts(values, block_scales, scale)
+
+
 def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
                         out: TensorInfo | None = None, lse: TensorInfo | None = None) -> DecodeShapes:
     """Validate contiguous q [B, Hq, D], k and v [B, L_max, Hkv, D], out [B, Hq, D], lse [B, Hq].

@@ -16,6 +16,16 @@ def test_parse_shape_plain_and_suffixed():
     assert parse_shape("1:32:8:128:4096") == Shape(1, 32, 8, 128, 4096)
     assert parse_shape("16:32:8:128:4k") == Shape(16, 32, 8, 128, 4096)
     assert parse_shape(" 1:64:8:128:128K ") == Shape(1, 64, 8, 128, 131072)
+    assert parse_shape("1:32:8:128:64k:fp8") == Shape(1, 32, 8, 128, 65536, "fp8_e4m3")
+    assert parse_shape("16:32:8:128:4k:NVFP4") == Shape(16, 32, 8, 128, 4096, "nvfp4")
+    assert parse_shape("1:32:8:128:4k:bf16") == Shape(1, 32, 8, 128, 4096)
+
+
+def test_quantized_shapes_count_their_own_bytes():
+    bf16, fp8, fp4 = (parse_shape(f"1:32:8:128:64k{f}") for f in ("", ":fp8", ":nvfp4"))
+    assert bf16.kv_bytes == 2 * 65536 * 8 * 128 * 2 == 2 * fp8.kv_bytes
+    assert fp4.kv_bytes == 2 * 65536 * 8 * (64 + 8)  # values and one E4M3 scale per 16
+    assert fp8.label == "1, 32/8, 128, 64k, fp8" and parse_shape(fp4.token) == fp4
     assert parse_shape("1:32:32:128:1m").seq_len == 1 << 20
 
 
@@ -28,7 +38,8 @@ def test_shape_token_round_trips_and_label_matches_reference_notation():
 
 @pytest.mark.parametrize("token, fragment", [
     ("1:32:8:128", "expected B:Hq:Hkv:D:L"),
-    ("1:32:8:128:4k:bf16", "expected B:Hq:Hkv:D:L"),
+    ("1:32:8:128:4k:fp8:x", "expected B:Hq:Hkv:D:L"),
+    ("1:32:8:128:4k:int4", "format must be one of"),
     ("", "expected B:Hq:Hkv:D:L"),
     ("x:32:8:128:4k", "B must be a positive integer"),
     ("1:32:8:-128:4k", "D must be a positive integer"),
@@ -51,12 +62,14 @@ def test_parse_shapes_splits_commas_and_spaces():
         parse_shapes([" , "])
 
 
-def test_default_shapes_are_the_bf16_reference_rows_and_one_kv_head():
+def test_default_shapes_are_the_reference_rows_and_one_kv_head():
     labels = [s.label for s in bench.DEFAULT_SHAPES]
+    quantized = [f"{b}, 32/8, 128, {n}, {f}" for f in ("fp8", "nvfp4")
+                 for b, n in ((1, "4k"), (1, "16k"), (1, "64k"), (1, "128k"), (16, "4k"))]
     assert labels == [
         "1, 32/8, 128, 1k", "1, 32/8, 128, 4k", "1, 32/8, 128, 16k", "1, 32/8, 128, 64k",
         "1, 32/8, 128, 128k", "1, 32/32, 128, 4k", "1, 32/32, 128, 64k", "16, 32/8, 128, 4k",
-        "64, 32/8, 128, 1k", "1, 64/8, 128, 32k", "1, 16/2, 256, 16k", "1, 8/1, 128, 64k",
+        "64, 32/8, 128, 1k", "1, 64/8, 128, 32k", "1, 16/2, 256, 16k", "1, 8/1, 128, 64k", *quantized,
     ]
     assert len(bench.QUICK_SHAPES) == 3
     assert set(bench.QUICK_SHAPES) <= set(bench.DEFAULT_SHAPES)

@@ -52,19 +52,61 @@ def test_default_set_covers_the_vocabulary():
     # The dense program in both layouts the planner picks from (a row per CTA, a row per warp).
     dense = [s for s in decode if s.variant == "dense"]
     assert {s.name for s in dense if s.warp_heads} == {s.replace(warp_heads=True).name for s in dense if not s.warp_heads}
-    assert {s.kv_dtype for s in decode} == {"bf16", "fp16"}
+    assert {s.kv_dtype for s in decode} == {"bf16", "fp16", "fp8_e4m3", "nvfp4"}
+    assert {(s.q_dtype, s.kv_dtype) for s in decode if s.kv_dtype in ("fp8_e4m3", "nvfp4")} == {
+        (q, kv) for q in ("bf16", "fp16") for kv in ("fp8_e4m3", "nvfp4")}
+    assert {s.head_dim for s in decode if s.kv_dtype == "nvfp4"} == {64, 128, 256}
     assert len({s.name for s in DEFAULT_SET}) == len(DEFAULT_SET), "names must be unique"
     assert sum(isinstance(s, MergeSpec) for s in DEFAULT_SET) == 8
 
 
+#: The quantized programs that spill: head_dim 256 with more than 8 query heads per K/V head keeps
+#: 16-row accumulators for 256 dims (128 registers) and Q (64) live beside the dequantized operands.
+QUANTIZED_SPILLS = {(256, 16)}
+
+
 @needs_nvrtc
-@pytest.mark.parametrize("spec", DEFAULT_SET, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [s for s in DEFAULT_SET if getattr(s, "kv_dtype", "bf16") in ("bf16", "fp16")],
+                         ids=lambda s: s.name)
 def test_every_default_kernel_compiles_for_sm90(spec):
     result = compile_cubin(spec, use_disk_cache=False)
     assert result.cubin[:4] == b"\x7fELF", "NVRTC must return a cubin (ELF), not PTX"
     assert result.registers is not None and 0 < result.registers <= 255
     assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
     assert "{{" not in result.source and "{%" not in result.source
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100a"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "nvfp4"])
+def test_quantized_kernels_compile(kv_dtype, arch):
+    # Every head_dim the format takes, groups on both MMA layouts, dense (both layouts) and split;
+    # sm_100a converts E2M1 in hardware, sm_90 with integer ops.
+    head_dims = (64, 96, 128, 256) if kv_dtype == "fp8_e4m3" else (64, 128, 256)
+    if arch == "sm_100a":
+        head_dims = (128,)
+    specs = [s for s in default_specs(arch, head_dims=head_dims, group_sizes=(1, 4, 16), kv_dtypes=(kv_dtype,))
+             if isinstance(s, KernelSpec) and s.q_dtype == "bf16"]
+    assert len(specs) == 9 * len(head_dims)
+    for spec in specs:
+        result = compile_cubin(spec, use_disk_cache=False)
+        assert result.cubin[:4] == b"\x7fELF", spec.name
+        if (spec.head_dim, spec.group_size) in QUANTIZED_SPILLS:
+            assert result.spill_bytes < 256, f"{spec.name} spills {result.spill_bytes} bytes"
+        else:
+            assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
+        hardware = "#define SPLITKV_HARDWARE_E2M1 1" in result.source
+        assert hardware == (arch == "sm_100a"), spec.name
+
+
+@needs_nvrtc
+def test_hardware_e2m1_is_refused_where_the_arch_lacks_it():
+    # The hardware E2M1 conversion exists on arch-specific targets from sm_100a on only: the switch
+    # that selects it must be what makes sm_90 fail, so the sm_100a compile really uses it.
+    spec = default_spec("sm_90", 128, 4, "bf16", "nvfp4")
+    source = render(spec).replace("#include \"primitives.cuh\"", "#define SPLITKV_HARDWARE_E2M1 1\n#include \"primitives.cuh\"")
+    with pytest.raises(CompileError, match="e2m1"):
+        compile_cubin(spec, use_disk_cache=False, source=source)
 
 
 @needs_nvrtc

@@ -7,7 +7,7 @@ current device.
 from __future__ import annotations
 
 from ..heuristics import default_spec
-from ..spec import HEAD_DIMS, KV_DTYPES, QUANTIZE_FORMATS, KernelSpec, MergeSpec, QuantizeSpec, parse_arch
+from ..spec import HEAD_DIMS, KV_DTYPES, Q_DTYPES, QUANTIZE_FORMATS, KernelSpec, MergeSpec, QuantizeSpec, parse_arch
 from .compile import CompileError, CompileResult, compile_cubin
 from .render import helper_headers, render
 
@@ -16,24 +16,31 @@ DEFAULT_GROUP_SIZES = (1, 2, 4, 8, 16)
 
 
 def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> list:
-    """The kernel set ``splitkv-gen --arch ARCH`` builds: for every head_dim, group size and dtype
-    (queries in the K/V dtype), the dense and split decode programs in their built-in CTA shape
-    (the dense one also with a warp per K/V head, which the planner takes for batches of many
-    rows), the merge program per head_dim and output dtype, and the K/V quantizer per head_dim,
-    input dtype and quantized format."""
+    """The kernel set ``splitkv-gen --arch ARCH`` builds: for every head_dim, group size and K/V
+    dtype, the dense and split decode programs in their built-in CTA shape (the dense one also with a
+    warp per K/V head, which the planner takes for batches of many rows), with queries in the K/V
+    dtype (bf16 and fp16 queries for the quantized formats); the merge program per head_dim and
+    output dtype; and the K/V quantizer per head_dim, input dtype and quantized format. Head dims a
+    format does not take (NVFP4 needs a multiple of 64) are left out of its programs."""
     arch = parse_arch(arch)
     head_dims = tuple(head_dims or HEAD_DIMS)
     group_sizes = tuple(group_sizes or DEFAULT_GROUP_SIZES)
     kv_dtypes = tuple(kv_dtypes or KV_DTYPES)
     specs: list = []
-    for dtype in kv_dtypes:
+    for kv_dtype in kv_dtypes:
+        q_dtypes = (kv_dtype,) if kv_dtype in Q_DTYPES else Q_DTYPES
+        for q_dtype in q_dtypes:
+            for head_dim in head_dims:
+                if kv_dtype == "nvfp4" and head_dim % 64:
+                    continue
+                for group in group_sizes:
+                    dense = default_spec(arch, head_dim, group, q_dtype, kv_dtype, "dense")
+                    specs.append(dense)
+                    if dense.warps > 1:  # plan.pack_heads
+                        specs.append(dense.replace(warp_heads=True))
+                    specs.append(default_spec(arch, head_dim, group, q_dtype, kv_dtype, "split"))
+    for dtype in dict.fromkeys(d if d in Q_DTYPES else "bf16" for d in kv_dtypes):  # outputs: query dtypes
         for head_dim in head_dims:
-            for group in group_sizes:
-                dense = default_spec(arch, head_dim, group, dtype, dtype, "dense")
-                specs.append(dense)
-                if dense.warps > 1:  # plan.pack_heads
-                    specs.append(dense.replace(warp_heads=True))
-                specs.append(default_spec(arch, head_dim, group, dtype, dtype, "split"))
             specs.append(MergeSpec(arch=arch, head_dim=head_dim, out_dtype=dtype))
             specs += [QuantizeSpec(arch=arch, head_dim=head_dim, in_dtype=dtype, kv_format=f) for f in QUANTIZE_FORMATS]
     return specs

@@ -32,4 +32,57 @@ __device__ __forceinline__ u32 encode_e2m1(float y) {
     return magnitude | (signbit(y) ? 8u : 0u);
 }
 
+// ---- dequantizing K/V words into fp16 MMA operands ------------------------------------------
+// A 32-bit word of K/V (as ldmatrix delivers it) unpacks into W = 16 / bits packed fp16 pairs,
+// out[j] = (element pd(j, 0), element pd(j, 1)) of the word; the decode programs gather Q in the
+// matching order, so the pairs need no further shuffling. Values come out exact, times a power
+// of two (kv_unit) that the programs fold into their fp32 scales.
+
+// FP8: out[j] = elements (2j, 2j + 1). One hardware conversion per pair (sm_89+), NaN kept.
+__device__ __forceinline__ void unpack_e4m3x4(u32 w, u32 (&out)[2]) {
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\n"
+        "cvt.rn.f16x2.e4m3x2 %0, lo;\ncvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+        : "=r"(out[0]), "=r"(out[1]) : "r"(w));
+}
+
+// NVFP4 values: out[j] = elements (j, j + 4), nibble j being bits 4j..4j+3.
+#if SPLITKV_HARDWARE_E2M1
+// Bytes (n0 | n4 << 4, n2 | n6 << 4) and (n1 | n5 << 4, n3 | n7 << 4), each converted in hardware.
+constexpr float E2M1_UNIT = 1.f;
+__device__ __forceinline__ void unpack_e2m1x8(u32 w, u32 (&out)[4]) {
+    const u32 even = (w & 0x0f0f0f0fu) | ((w >> 12) & 0xf0f0f0f0u);
+    const u32 odd = ((w >> 4) & 0x0f0f0f0fu) | ((w >> 16) & 0xf0f0f0f0u);
+    asm("{\n.reg .b8 e0, e1, e2, e3, o0, o1, o2, o3;\n"
+        "mov.b32 {e0, e1, e2, e3}, %4;\nmov.b32 {o0, o1, o2, o3}, %5;\n"
+        "cvt.rn.f16x2.e2m1x2 %0, e0;\ncvt.rn.f16x2.e2m1x2 %1, o0;\n"
+        "cvt.rn.f16x2.e2m1x2 %2, e1;\ncvt.rn.f16x2.e2m1x2 %3, o1;\n}\n"
+        : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3]) : "r"(even), "r"(odd));
+}
+#else
+// Integer ops only: nibble j's sign, exponent and mantissa (s e1 e0 m) moved into an fp16's bits 15
+// and 11..9 give e2m1 x 2^-14 exactly, the subnormal 0.5 included.
+constexpr float E2M1_UNIT = 1.f / 16384.f;
+__device__ __forceinline__ void unpack_e2m1x8(u32 w, u32 (&out)[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 x = w << (12 - 4 * j);  // nibbles j and j + 4 at bits 12..15 and 28..31
+        out[j] = (x & 0x80008000u) | ((x >> 3) & 0x0e000e00u);
+    }
+}
+#endif
+
+// Two E4M3 codes, byte `lo_sel` of `lo` and byte `hi_sel` of `hi`, as an fp16 pair (NaN kept).
+__device__ __forceinline__ u32 e4m3_pair(u32 lo, u32 hi, u32 lo_sel, u32 hi_sel) {
+    const u32 two = __byte_perm(lo, hi, lo_sel | ((hi_sel + 4) << 4));
+    u32 out;
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(out) : "r"(two));
+    return out;
+}
+
+__device__ __forceinline__ u32 hmul2_bits(u32 a, u32 b) {
+    __half2 x = *reinterpret_cast<__half2*>(&a), y = *reinterpret_cast<__half2*>(&b);
+    __half2 p = __hmul2(x, y);
+    return *reinterpret_cast<u32*>(&p);
+}
+
 }  // namespace splitkv

@@ -25,6 +25,13 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(src_bytes));
 }
+// The same for N = 4, 8 or 16 bytes through L1 (the .cg form takes 16 only): NVFP4 block scales.
+template <int N>
+__device__ __forceinline__ void cp_async_small(void* smem_dst, const void* gmem_src, int src_bytes) {
+    static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "n"(N), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }

@@ -511,7 +511,8 @@ def _layout(x):
 
 def _cache_len(k) -> int:
     """Tokens the cache holds per sequence (k.shape[1]), for arrays without a .shape attribute too."""
-    k = getattr(k, "values", k)  # a QuantizedKV: its values' rows
+    if isinstance(k, QuantizedKV):  # its values' rows
+        k = k.values
     shape = getattr(k, "shape", None)
     return int(shape[1]) if shape is not None else tensors.describe(k, "k").shape[1]
 

@@ -7,6 +7,7 @@ design; they are only timed, never used.
 
     python bench/ablate.py                      # B=1, 32/8, D=128 at 1k, 4k and 64k
     python bench/ablate.py --shapes 1:32:8:128:16k --splits 16
+    python bench/ablate.py --shapes 1:32:8:128:64k:fp8 1:32:8:128:64k:nvfp4   # the dequantization
 
 Needs a GPU and CuPy; results print as a table (see BENCHMARKS.md for a run).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from splitkv import DecodeAttention
+from splitkv import DecodeAttention, quantize_kv
 from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
 from splitkv.codegen.load import load_kernel
 from splitkv.codegen.render import render
@@ -45,6 +46,31 @@ def _swap(old: str, new: str):
         return source.replace(old, new)
     return patch
 
+
+#: The E2M1 decode with integer ops alone, in place of E4M3 bit patterns and the hardware E4M3
+#: conversion: nibble j's bits moved into an fp16's, the same pairs in units of 2^-14 (timed only:
+#: the program's unit stays 2^-6).
+_E2M1_INTEGER_ONLY = """#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 x = w << (12 - 4 * j);  // nibbles j and j + 4 at bits 12..15 and 28..31
+            out[j] = (x & 0x80008000u) | ((x >> 3) & 0x0e000e00u);
+        }"""
+
+#: Quantized K/V only, per format: the dequantization's parts.
+QUANTIZED_ABLATIONS = {
+    "fp8_e4m3": {
+        "no dequantization (raw words)": lambda source: _swap(
+            "        splitkv::unpack_e4m3x4(w, out);\n", "        out[0] = out[1] = w;\n")(_swap(
+            "        splitkv::unpack_e4m3x4(__byte_perm(w, 0u, 0x3120), out);", "        out[0] = out[1] = w;")(source)),
+    },
+    "nvfp4": {
+        "E2M1 with integer ops only": _swap("        splitkv::unpack_e2m1x8(w, out);\n", _E2M1_INTEGER_ONLY + "\n"),
+        "no block-scale multiply": _swap(
+            "        for (int j = 0; j < N; ++j) out[j] = splitkv::hmul2_bits(out[j], scale);\n", ""),
+        "no dequantization (raw words)": _swap("        splitkv::unpack_e2m1x8(w, out);\n",
+                                               "        out[0] = out[1] = out[2] = out[3] = w;\n"),
+    },
+}
 
 #: name -> source patch. Each removes one part of the program from the critical path.
 ABLATIONS = {
@@ -80,13 +106,17 @@ def main(argv=None) -> int:
     for shape in shapes:
         b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
         q, k, v, out = random_bf16_qkv(shape)
-        attn = DecodeAttention(hq, hkv, d)
+        ablations = dict(ABLATIONS)
+        if shape.quantized:
+            k, v = quantize_kv(k, shape.kv_dtype), quantize_kv(v, shape.kv_dtype)
+            ablations = {**QUANTIZED_ABLATIONS[shape.kv_dtype], "stream-only (no math)": _stream_only}
+        attn = DecodeAttention(hq, hkv, d, kv_dtype=shape.kv_dtype)
         variant = "split" if args.splits else None
         attn.plan([n] * b, variant=variant, num_splits=args.splits, stream=harness.stream)
         launch = attn._launch
         with harness.active():
             timings = {"as rendered": harness.time(lambda: attn.run(q, k, v, out=out))}
-            for name, patch in ABLATIONS.items():
+            for name, patch in ablations.items():
                 try:
                     object.__setattr__(attn._launch, "decode_fn", patched_kernel(launch.spec, patch))
                     timings[name] = harness.time(lambda: attn.run(q, k, v, out=out))

@@ -13,9 +13,16 @@ def test_geometry_of_a_bf16_cache():
     # boxes of 64 dims (128 bytes) x 32 tokens, as the program's kv_at expects.
     geo = box_geometry(3 * 1000, 8 * 128, 2, 32)
     assert geo["dims"] == (1024, 3000) and geo["row_stride"] == 2048 and geo["box"] == (64, 32)
-    # The program takes its box width from the same constant: boxes of BOX_DIMS = 64 bf16 dims.
+    # The program takes its box width from the same constant: boxes of 128 bytes, 64 bf16 dims.
     source = render(KernelSpec(arch="sm_90", kv_copy="tma"))
-    assert f"constexpr int BOX_DIMS = {TMA_BOX_BYTES} / 2;" in source
+    assert f"constexpr int BOX_BYTES = {TMA_BOX_BYTES};" in source
+    assert "constexpr int BOX_DIMS = BOX_BYTES * 8 / KV_BITS;" in source and "constexpr int KV_BITS = 16;" in source
+
+
+def test_geometry_of_an_fp8_cache():
+    # FP8 rows of 128 dims are one box of 128 one-byte elements.
+    geo = box_geometry(3 * 1000, 8 * 128, 1, 64)
+    assert geo["dims"] == (1024, 3000) and geo["row_stride"] == 1024 and geo["box"] == (128, 64)
 
 
 @pytest.mark.parametrize("args, match", [

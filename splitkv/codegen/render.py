@@ -13,7 +13,7 @@ import importlib.resources
 
 import jinja2
 
-from ..spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
+from ..spec import TILE_COUNTER_STRIDE, TMA_BOX_BYTES, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
 
 #: C++ element type for each dtype name of the spec vocabulary.
 CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
@@ -64,6 +64,7 @@ def template_parameters(spec: AnySpec) -> dict:
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], mma_type=CUDA_TYPES[spec.mma_dtype],
                       kv_bits=spec.kv_bits, hardware_e2m1=hardware_e2m1(spec.arch), smem_pad=spec.smem_pad,
+                      tma_box_bytes=TMA_BOX_BYTES,
                       cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
                       tile_counter_stride=TILE_COUNTER_STRIDE, span_state_offset=spec.span_state_offset,
                       span_q_offset=spec.span_q_offset)

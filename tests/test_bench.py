@@ -525,6 +525,10 @@ def test_ablation_anchors_are_in_the_rendered_programs():
     for name, patch in ablate.ABLATIONS.items():
         patched = [s for s in sources if _patches(patch, s)]
         assert patched, f"ablation {name!r}: its anchor is in no rendered program"
+    for kv_dtype, ablations in ablate.QUANTIZED_ABLATIONS.items():
+        source = render(default_spec("sm_90", 128, 4, "bf16", kv_dtype))
+        for name, patch in ablations.items():
+            assert _patches(patch, source), f"{kv_dtype} ablation {name!r}: its anchor is not in the program"
 
 
 def _patches(patch, source):

@@ -99,6 +99,19 @@ def test_quantized_kernels_compile(kv_dtype, arch):
         assert hardware == (arch == "sm_100a"), spec.name
 
 
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_100a", "sm_120"])
+def test_every_quantized_default_program_renders(arch):
+    # The whole quantized default set (both query dtypes, every head_dim and group) renders with
+    # every parameter filled; a sample of it is compiled above.
+    specs = [s for s in default_specs(arch, kv_dtypes=("fp8_e4m3", "nvfp4")) if isinstance(s, KernelSpec)]
+    assert len(specs) == 2 * (4 + 3) * 5 * 3
+    for spec in specs:
+        source = render(spec)
+        assert "{{" not in source and "{%" not in source
+        assert f"constexpr int KV_BITS = {8 if spec.kv_dtype == 'fp8_e4m3' else 4};" in source
+        assert "using mma_t = __half;" in source
+
+
 @needs_nvrtc
 def test_hardware_e2m1_is_refused_where_the_arch_lacks_it():
     # The hardware E2M1 conversion exists on arch-specific targets from sm_100a on only: the switch

@@ -1,6 +1,6 @@
 """splitkv-gen: render and compile the decode kernels of one GPU architecture, without a GPU.
 
-    splitkv-gen --arch sm90 [--head-dim 64,128] [--group 1,4,8] [--dtype bf16,fp16]
+    splitkv-gen --arch sm90 [--head-dim 64,128] [--group 1,4,8] [--dtype bf16,fp16,fp8_e4m3,nvfp4]
                 [--emit DIR] [--list] [--jobs N]
     splitkv-gen bench [ARGS...]          # forwarded to `python -m splitkv.bench`
 
@@ -118,6 +118,8 @@ def _check_filters(parser, arch, head_dims, group_sizes, kv_dtypes) -> str:
     for t in kv_dtypes or ():
         if t not in spec.KV_DTYPES:
             parser.error(f"--dtype: {t!r} is not supported; choose from {list(spec.KV_DTYPES)}")
+        if t in spec.QUANTIZED_KV_DTYPES and spec.arch_number(arch) < 89:
+            parser.error(f"--dtype: {t} K/V need sm_89 or newer (E4M3 conversions); got {arch}")
     return arch
 
 

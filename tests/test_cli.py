@@ -342,6 +342,19 @@ def test_bad_filter_is_a_usage_error(fake, capsys, argv, expected):
     assert fake.compiled == []
 
 
+def test_quantized_dtypes_below_sm89_are_a_usage_error(fake, capsys):
+    code, _, err = run(capsys, "--arch", "sm80", "--dtype", "fp8_e4m3")
+    assert code == 2 and "fp8_e4m3 K/V need sm_89 or newer" in err
+    assert fake.compiled == []
+
+
+def test_the_default_set_leaves_quantized_dtypes_out_below_sm89():
+    from splitkv.codegen import default_specs
+
+    assert {s.kv_dtype for s in default_specs("sm80") if hasattr(s, "kv_dtype")} == {"bf16", "fp16"}
+    assert {s.kv_dtype for s in default_specs("sm89") if hasattr(s, "kv_dtype")} == {"bf16", "fp16", "fp8_e4m3", "nvfp4"}
+
+
 # ---- bench subcommand, entry point, start-up cost ---------------------------------------------
 
 def test_bench_forwards_its_arguments(monkeypatch, capsys):

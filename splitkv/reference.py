@@ -156,6 +156,41 @@ def emulate_split_decode(q, k, v, seq_lens, plan, sm_scale=None):
     return merge_partials(partial_o, partial_lse2, plan.splits_per_seq)
 
 
+def emulate_unit_decode(q, k, v, seq_lens, plan, sm_scale=None):
+    """Run a unit plan (``splitkv.work_units.UnitPlan``) on the CPU as its programs would: every unit
+    streams its block range of its (sequence, K/V head); a unit with no partial slot writes its
+    rows' output (and LSE) itself, the others write a partial and its base-2 LSE into their slot;
+    then every merge-table row combines its slots exactly. Rows no unit writes stay NaN, so a table
+    that misses a row shows. Returns ``(out [B, Hq, D], lse [B, Hq])``, lse in natural log."""
+    from .work_units import NO_PARTIAL
+
+    q, k, v, lens, scale = _prepare(q, k, v, seq_lens, sm_scale)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = np.full((batch, num_q_heads, head_dim), np.nan)
+    lse = np.full((batch, num_q_heads), np.nan)
+    partial_o = np.full((plan.num_partials, group, head_dim), np.nan)
+    partial_lse2 = np.full((plan.num_partials, group), np.nan)
+    for b, h, first, count, slot in plan.units.tolist():
+        lo = min(first * plan.block_size, int(lens[b]))
+        hi = min((first + count) * plan.block_size, int(lens[b]))
+        heads = slice(h * group, (h + 1) * group)
+        logits = np.einsum("gd,td->gt", q[b, heads], k[b, lo:hi, h]) * scale
+        o, l = _softmax_v(logits, v[b, lo:hi, h], "gt,td->gd")
+        if slot == NO_PARTIAL:
+            out[b, heads], lse[b, heads] = o, l
+        else:
+            partial_o[slot], partial_lse2[slot] = o, l * _LOG2E
+    for row, first_slot, count in plan.merges.tolist():
+        b, h = divmod(row, num_kv_heads)
+        heads = slice(h * group, (h + 1) * group)
+        slots = slice(first_slot, first_slot + count)
+        merged_o, merged_lse = merge_partials(partial_o[None, slots], partial_lse2[None, slots])
+        out[b, heads], lse[b, heads] = merged_o[0], merged_lse[0]
+    return out, lse
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 
 def _softmax_v(logits, v, subscripts):

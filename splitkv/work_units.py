@@ -1,0 +1,292 @@
+"""Work units and their tables: a wave-aware decomposition of one decode call. Pure NumPy, no GPU.
+
+A unit is one (sequence, K/V head, range of K/V blocks); a block is ``block_size`` consecutive
+tokens of a sequence (a page of a paged cache, or a chunk of a contiguous one), so units start on
+block boundaries. The plan is two tables:
+
+- the unit table, one row per unit: sequence, K/V head, first block, block count, and the partial
+  slot it writes (``NO_PARTIAL`` for a unit that covers its whole row and so writes the output);
+- the merge table, one row per split (sequence, K/V head): the row (``sequence x num_kv_heads +
+  head``), its first partial slot and its number of splits (its slots are consecutive).
+
+Units are listed longest first: a persistent grid whose CTAs take the next unit as they finish
+runs them as longest-processing-time-first (LPT) list scheduling, which is also what the cost model
+predicts. The cost of a unit is its tokens plus a fixed overhead; a split row also pays for its
+partials in the merge. ``choose_kv_splits`` keeps every row whole unless the units leave a partial
+wave on the ``slots`` resident CTAs, and then tries splitting the most expensive rows (or every
+row) 2 ways and more, keeping the split plan only when its predicted makespan beats the unsplit one
+by more than ``threshold``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .plan import _check_lens, _positive_int
+
+#: Columns of the unit table, and the partial slot of a unit that writes its row's output itself.
+UNIT_FIELDS = ("sequence", "kv_head", "first_block", "num_blocks", "partial_slot")
+NO_PARTIAL = -1
+#: Columns of the merge table.
+MERGE_FIELDS = ("row", "first_slot", "num_splits")
+
+#: Fixed cost of one unit, in tokens of one K/V head streamed by one CTA: taking the unit, loading
+#: its Q, combining the warps and writing the result. A prior (about 1 µs on an H200 at D=128 bf16,
+#: where one CTA streams ~64 tokens a µs), for the autotuner to set per GPU.
+UNIT_OVERHEAD_TOKENS = 64
+#: Cost of the merge program, launched only when a row is split: a fixed part (its launch and tail)
+#: and a part per partial it reads back, spread over the slots; in tokens as above. Priors as well.
+MERGE_FIXED_TOKENS = 128
+MERGE_TOKENS_PER_PARTIAL = 16
+#: A split plan is kept only when its predicted makespan beats the unsplit one by more than this.
+SPLIT_THRESHOLD = 0.03
+#: Ways a row may be split (at most, and never into more pieces than it has blocks); below one wave
+#: of units, up to as many as fill the slots.
+MAX_WAYS = 8
+#: From this many waves of units on, the last partial wave costs at most 1 / SPLIT_WAVES of the
+#: makespan and no split is tried.
+SPLIT_WAVES = 4
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The planner's costs, in tokens of one K/V head streamed by one CTA (see the module constants)."""
+
+    unit_overhead: float = UNIT_OVERHEAD_TOKENS
+    merge_fixed: float = MERGE_FIXED_TOKENS
+    merge_per_partial: float = MERGE_TOKENS_PER_PARTIAL
+    threshold: float = SPLIT_THRESHOLD
+    max_ways: int = MAX_WAYS
+
+    def __post_init__(self):
+        for name in ("unit_overhead", "merge_fixed", "merge_per_partial", "threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+        _positive_int("max_ways", self.max_ways)
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """The unit and merge tables of one decode call (see the module notes), with the predicted
+    makespans (in tokens, see `CostModel`) of the plan and of the same call with no row split; both
+    None where no split was tried (`predicted_makespan` works them out)."""
+
+    block_size: int
+    num_kv_heads: int
+    slots: int
+    units: np.ndarray   # int32 [num_units, len(UNIT_FIELDS)]
+    merges: np.ndarray  # int32 [num_split_rows, len(MERGE_FIELDS)]
+    num_partials: int
+    makespan: float | None
+    unsplit_makespan: float | None
+
+    def __post_init__(self):
+        for name in ("units", "merges"):
+            table = np.array(getattr(self, name), dtype=np.int32)
+            table.setflags(write=False)
+            object.__setattr__(self, name, table)
+
+    @property
+    def split(self) -> bool:
+        """Whether any row is split, so that the merge program runs."""
+        return self.num_partials > 0
+
+    def column(self, name: str) -> np.ndarray:
+        """One column of the unit table by its UNIT_FIELDS name."""
+        return self.units[:, UNIT_FIELDS.index(name)]
+
+    def __eq__(self, other):
+        if not isinstance(other, UnitPlan):
+            return NotImplemented
+        return (self._scalars() == other._scalars() and np.array_equal(self.units, other.units)
+                and np.array_equal(self.merges, other.merges))
+
+    def __hash__(self):
+        return hash((self._scalars(), self.units.tobytes(), self.merges.tobytes()))
+
+    def _scalars(self) -> tuple:
+        return (self.block_size, self.num_kv_heads, self.slots, self.num_partials, self.makespan, self.unsplit_makespan)
+
+
+def lpt_makespan(costs, slots: int) -> float:
+    """Makespan of longest-processing-time-first list scheduling of ``costs`` on ``slots`` slots:
+    each cost, the largest first, goes to the slot that frees up first.
+
+    Exact, and vectorised over runs of jobs: with the loads sorted ascending and the next jobs
+    largest first, job j lands on the j-th least loaded slot for as long as every earlier job of the
+    run left its slot at least that loaded, so a whole run is one NumPy step (a wave of equal jobs
+    is one run)."""
+    slots = _positive_int("slots", slots)
+    ordered = np.sort(np.asarray(costs, dtype=np.float64).ravel())[::-1]
+    if ordered.size <= slots:
+        return float(ordered[0]) if ordered.size else 0.0
+    loads = ordered[:slots][::-1].copy()  # ascending
+    pos = slots
+    while pos < ordered.size:
+        run = min(slots, ordered.size - pos)
+        new = loads[:run] + ordered[pos:pos + run]
+        lands = np.minimum.accumulate(new)[:-1] >= loads[1:run]  # job j + 1 still on slot j + 1
+        length = run if lands.all() else int(np.argmin(lands)) + 1
+        loads[:length] = new[:length]
+        loads.sort()
+        pos += length
+    return float(loads[-1])
+
+
+def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int,
+                     costs: CostModel | None = None) -> UnitPlan:
+    """The unit plan of a call over sequences of ``seq_lens`` tokens with ``num_kv_heads`` K/V
+    heads each, on ``slots`` resident CTAs (SMs x CTAs per SM), in blocks of ``block_size`` tokens.
+
+    Every row (sequence, K/V head) is one unit unless the units leave a partial wave (their count is
+    no multiple of ``slots``) and are fewer than `SPLIT_WAVES` waves. Then the candidates are (see
+    `_candidates`) the ``count mod slots`` most expensive rows split k ways, every row split k ways,
+    and every row split in proportion to its length; each row into near-equal block ranges. The
+    candidate of the lowest predicted makespan (LPT over the units' costs, plus the merge) is kept
+    when it beats the unsplit plan by more than ``costs.threshold``.
+    """
+    lens = _check_lens(seq_lens).astype(np.int64)
+    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+    block_size = _positive_int("block_size", block_size)
+    slots = _positive_int("slots", slots)
+    costs = costs if costs is not None else CostModel()
+
+    row_tokens = np.repeat(lens, num_kv_heads)  # row r = sequence r // Hkv, K/V head r % Hkv
+    row_blocks = -(-row_tokens // block_size)
+    rows = row_tokens.size
+    unsplit_costs = row_tokens + costs.unit_overhead
+    ways = np.ones(rows, dtype=np.int64)
+    unsplit = best = None
+    if rows % slots and rows < SPLIT_WAVES * slots:
+        unsplit = lpt_makespan(unsplit_costs, slots)
+        best = unsplit
+        for candidate in _candidates(row_tokens, row_blocks, slots, costs):
+            predicted = _predicted_makespan(row_tokens, row_blocks, candidate, block_size, slots, costs, best)
+            if predicted is not None and predicted < best:
+                best, ways = predicted, candidate
+        if best >= unsplit * (1 - costs.threshold):
+            best, ways = unsplit, np.ones(rows, dtype=np.int64)
+    units, merges, num_partials = _tables(row_tokens, row_blocks, ways, num_kv_heads, block_size)
+    return UnitPlan(block_size, num_kv_heads, slots, units, merges, num_partials, best, unsplit)
+
+
+#: Proportional candidates: every row split into pieces of about this many times the average load
+#: of a slot (its tokens over the slots'), so that skewed batches (one long row among short ones)
+#: split the long rows only.
+PROPORTIONAL_TARGETS = (1.0, 1.5, 2.0, 3.0)
+
+
+def _candidates(row_tokens, row_blocks, slots, costs):
+    """Ways to split each row, one array per candidate (at most one piece per block):
+    - the ``rows mod slots`` longest rows k ways, and every row k ways, for k from 2 to
+      ``costs.max_ways`` (below one wave of rows, to as many ways as fill the slots);
+    - every row in pieces of about `PROPORTIONAL_TARGETS` times a slot's average load."""
+    rows = row_tokens.size
+    cap = np.maximum(row_blocks, 1)
+    order = np.argsort(-row_tokens, kind="stable")
+    seen = set()
+
+    def fresh(ways):
+        ways = np.minimum(ways, cap)
+        key = ways.tobytes()
+        if key in seen or not np.any(ways > 1):
+            return None
+        seen.add(key)
+        return ways
+
+    for k in range(2, max(costs.max_ways, slots // rows) + 1):
+        for chosen in (order[: rows % slots], order):
+            ways = np.ones(rows, dtype=np.int64)
+            ways[chosen] = k
+            if (ways := fresh(ways)) is not None:
+                yield ways
+    average = float((row_tokens + costs.unit_overhead).sum()) / slots
+    for target in PROPORTIONAL_TARGETS:
+        ways = np.maximum(np.ceil(row_tokens / (average * target)), 1).astype(np.int64)
+        if (ways := fresh(ways)) is not None:
+            yield ways
+
+
+def predicted_makespan(plan: UnitPlan, seq_lens, costs: CostModel | None = None) -> float:
+    """The cost model's makespan of ``plan`` for these lengths (LPT over its units, plus the merge)."""
+    costs = costs if costs is not None else CostModel()
+    tokens = unit_tokens(plan, seq_lens)
+    total = lpt_makespan(tokens + costs.unit_overhead, plan.slots)
+    return total + _merge_cost(plan.num_partials, plan.slots, costs)
+
+
+def unit_tokens(plan: UnitPlan, seq_lens) -> np.ndarray:
+    """Tokens each unit of ``plan`` streams for these lengths (its blocks, the last one cut at the length)."""
+    lens = _check_lens(seq_lens).astype(np.int64)
+    first = plan.column("first_block").astype(np.int64) * plan.block_size
+    end = np.minimum(first + plan.column("num_blocks").astype(np.int64) * plan.block_size,
+                     lens[plan.column("sequence")])
+    return np.maximum(end - first, 0)
+
+
+def _merge_cost(num_partials: int, slots: int, costs: CostModel) -> float:
+    if num_partials == 0:
+        return 0.0
+    return costs.merge_fixed + costs.merge_per_partial * num_partials / slots
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """Every row cut into ``ways`` near-equal block ranges (the first ``blocks % ways`` one block
+    longer), in row order: the row of each piece, its index in the row, first block, block count
+    and tokens (its blocks cut at the row's length)."""
+
+    row: np.ndarray
+    index: np.ndarray
+    first_block: np.ndarray
+    blocks: np.ndarray
+    tokens: np.ndarray
+
+
+def _pieces(row_tokens, row_blocks, ways, block_size) -> _Pieces:
+    row = np.repeat(np.arange(row_blocks.size), ways)
+    index = np.arange(row.size) - (np.cumsum(ways) - ways)[row]
+    base, extra = np.divmod(row_blocks[row], ways[row])
+    blocks = base + (index < extra)
+    first_block = index * base + np.minimum(index, extra)
+    tokens = np.clip(row_tokens[row] - first_block * block_size, 0, blocks * block_size)
+    return _Pieces(row, index, first_block, blocks, tokens)
+
+
+def _predicted_makespan(row_tokens, row_blocks, ways, block_size, slots, costs, beat):
+    """LPT makespan plus merge of splitting rows ``ways`` ways; None when a lower bound (the longest
+    unit, or the average load) already fails to beat ``beat``, so that the pieces are not built."""
+    merge = _merge_cost(int(ways.sum() - np.count_nonzero(ways == 1)), slots, costs)
+    longest = np.minimum(-(-row_blocks // ways) * block_size, row_tokens)  # a row's first piece is its longest
+    average = (float(row_tokens.sum()) + costs.unit_overhead * float(ways.sum())) / slots
+    if max(float(longest.max()) + costs.unit_overhead, average) + merge >= beat:
+        return None
+    unit_costs = _pieces(row_tokens, row_blocks, ways, block_size).tokens + costs.unit_overhead
+    return lpt_makespan(unit_costs, slots) + merge
+
+
+def _tables(row_tokens, row_blocks, ways, num_kv_heads, block_size):
+    """The unit table (longest first; ties in row order, then block order) and the merge table."""
+    if not np.any(ways > 1):  # every row whole: a sequence's heads are equal, so sort the sequences
+        seq_order = np.argsort(-row_tokens[::num_kv_heads], kind="stable")
+        row = (seq_order[:, None] * num_kv_heads + np.arange(num_kv_heads)).ravel()
+        units = np.zeros((row.size, len(UNIT_FIELDS)), dtype=np.int64)
+        units[:, 0], units[:, 1], units[:, 3], units[:, 4] = row // num_kv_heads, row % num_kv_heads, row_blocks[row], NO_PARTIAL
+        return units, np.zeros((0, len(MERGE_FIELDS)), dtype=np.int64), 0
+    p = _pieces(row_tokens, row_blocks, ways, block_size)
+    split_rows = np.flatnonzero(ways > 1)
+    slot_of_row = np.full(ways.size, NO_PARTIAL, dtype=np.int64)
+    slot_of_row[split_rows] = np.cumsum(ways[split_rows]) - ways[split_rows]
+    partial_slot = np.where(ways[p.row] > 1, slot_of_row[p.row] + p.index, NO_PARTIAL)
+    units = np.stack([p.row // num_kv_heads, p.row % num_kv_heads, p.first_block, p.blocks, partial_slot], axis=1)
+    order = np.lexsort((p.first_block, p.row, -p.tokens))
+    merges = np.stack([split_rows, slot_of_row[split_rows], ways[split_rows]], axis=1).reshape(-1, len(MERGE_FIELDS))
+    return units[order], merges, int(ways[split_rows].sum())
+
+
+__all__ = ["CostModel", "MERGE_FIELDS", "NO_PARTIAL", "UNIT_FIELDS", "UnitPlan", "choose_kv_splits",
+           "lpt_makespan", "predicted_makespan", "unit_tokens"]

@@ -1,0 +1,164 @@
+"""The work-unit planner (`splitkv.work_units`): its tables' invariants on random batches
+(hypothesis), its LPT simulation against a plain heap, and the tables executed by the NumPy emulator
+against the float64 reference. No GPU."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from splitkv.reference import attention_reference, emulate_unit_decode
+from splitkv.work_units import (NO_PARTIAL, SPLIT_WAVES, CostModel, UnitPlan, choose_kv_splits, lpt_makespan,
+                                predicted_makespan, unit_tokens)
+
+lengths = st.lists(st.one_of(st.integers(0, 40), st.integers(0, 5000), st.integers(0, 1 << 20)), min_size=1, max_size=48)
+
+
+@st.composite
+def problems(draw):
+    return dict(seq_lens=draw(lengths), num_kv_heads=draw(st.integers(1, 8)),
+                block_size=draw(st.sampled_from([1, 16, 64, 256])), slots=draw(st.sampled_from([1, 7, 64, 132, 264])))
+
+
+def check_tables(plan: UnitPlan, seq_lens, num_kv_heads):
+    """Every token of every row covered by exactly one unit, in block ranges that tile the row; the
+    partial slots and the merge table consistent with the units."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    units = plan.units
+    rows = units[:, 0].astype(np.int64) * num_kv_heads + units[:, 1]
+    assert np.all((units[:, 0] >= 0) & (units[:, 0] < lens.size) & (units[:, 1] >= 0) & (units[:, 1] < num_kv_heads))
+    assert np.array_equal(np.unique(rows), np.arange(lens.size * num_kv_heads)), "every row has units"
+    order = np.lexsort((units[:, 2], rows))
+    for row in range(lens.size * num_kv_heads):
+        mine = units[order][rows[order] == row]
+        blocks = -(-int(lens[row // num_kv_heads]) // plan.block_size)
+        starts = np.concatenate([[0], np.cumsum(mine[:, 3])[:-1]])
+        assert np.array_equal(mine[:, 2], starts), "a row's ranges follow each other"
+        assert int(mine[:, 3].sum()) == blocks, "and cover its blocks exactly"
+        assert len(mine) == 1 or np.all(mine[:, 3] > 0), "no empty piece of a split row"
+        if len(mine) == 1:
+            assert mine[0, 4] == NO_PARTIAL, "a whole row writes its output"
+        else:
+            assert np.all(mine[:, 4] != NO_PARTIAL)
+    slots = units[:, 4][units[:, 4] != NO_PARTIAL]
+    assert np.array_equal(np.sort(slots), np.arange(plan.num_partials)), "each partial slot written once"
+    split_rows = {int(r) for r in rows[units[:, 4] != NO_PARTIAL]}
+    assert {int(r) for r in plan.merges[:, 0]} == split_rows and len(plan.merges) == len(split_rows)
+    for row, first, count in plan.merges.tolist():
+        assert sorted(units[rows == row][:, 4].tolist()) == list(range(first, first + count))
+    tokens = unit_tokens(plan, seq_lens)
+    assert np.all(np.diff(tokens) <= 0), "units are listed longest first"
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_tables_cover_every_token_once_and_agree(problem):
+    plan = choose_kv_splits(**problem)
+    check_tables(plan, problem["seq_lens"], problem["num_kv_heads"])
+    assert choose_kv_splits(**problem) == plan, "deterministic"
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_a_split_plan_is_predicted_faster_than_the_unsplit_one(problem):
+    plan = choose_kv_splits(**problem)
+    whole = choose_kv_splits(**problem, costs=CostModel(max_ways=1, threshold=1.0))
+    assert not whole.split
+    predicted, unsplit = (predicted_makespan(p, problem["seq_lens"]) for p in (plan, whole))
+    assert predicted <= unsplit
+    if plan.split:
+        assert plan.makespan == pytest.approx(predicted) and plan.unsplit_makespan == pytest.approx(unsplit)
+        assert predicted < unsplit * (1 - CostModel().threshold), "split only past the threshold"
+
+
+def test_only_a_partial_wave_of_fewer_than_four_waves_is_split():
+    slots = 132
+    assert not choose_kv_splits([4096] * 33, 4, block_size=16, slots=slots).split  # 132 rows: one full wave
+    many = SPLIT_WAVES * slots + 1
+    plan = choose_kv_splits([4096] * many, 1, block_size=16, slots=slots)
+    assert not plan.split and plan.makespan is None  # no split tried, nothing simulated
+    assert choose_kv_splits([4096] * 3, 8, block_size=16, slots=slots).split  # 24 rows on 132 slots
+
+
+def test_partial_wave_examples():
+    # B=1 x 7 K/V heads: rows split as many ways as fill the slots (7 x 18 = 126 of 132).
+    plan = choose_kv_splits([6096], 7, block_size=16, slots=132)
+    assert len(plan.units) == 126 and plan.num_partials == 126 and len(plan.merges) == 7
+    # One long sequence among short ones: the long rows split, the short ones stay whole.
+    lens = [65536] + [512] * 63
+    plan = choose_kv_splits(lens, 8, block_size=16, slots=132)
+    whole_rows = plan.units[plan.units[:, 4] == NO_PARTIAL]
+    assert set(whole_rows[:, 0].tolist()) == set(range(1, 64)) and set(plan.merges[:, 0] // 8) == {0}
+    assert plan.makespan < plan.unsplit_makespan / 5
+
+
+def test_threshold_and_ways_are_parameters():
+    lens, heads = [6096], 7
+    assert not choose_kv_splits(lens, heads, block_size=16, slots=132, costs=CostModel(threshold=0.95)).split
+    plan = choose_kv_splits(lens, heads, block_size=16, slots=7, costs=CostModel(max_ways=3))
+    assert not plan.split  # a full wave already
+    plan = choose_kv_splits(lens, heads, block_size=16, slots=21, costs=CostModel(max_ways=3))
+    assert plan.merges[:, 2].max() <= 3
+    # Never more pieces than blocks: a row of 3 pages splits 3 ways at most.
+    plan = choose_kv_splits([3 * 4096 - 100], 1, block_size=4096, slots=132)
+    assert plan.merges[:, 2].tolist() == [3]
+    # A short row is not worth the merge.
+    assert not choose_kv_splits([40], 1, block_size=16, slots=132).split
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="block_size"):
+        choose_kv_splits([10], 1, block_size=0, slots=4)
+    with pytest.raises(ValueError, match="slots"):
+        choose_kv_splits([10], 1, block_size=16, slots=0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        choose_kv_splits([-1], 1, block_size=16, slots=4)
+    with pytest.raises(ValueError, match="unit_overhead"):
+        CostModel(unit_overhead=-1)
+    with pytest.raises(ValueError, match="max_ways"):
+        CostModel(max_ways=0)
+
+
+def heap_lpt(costs, slots):
+    loads = [0.0] * slots
+    for cost in sorted(costs, reverse=True):
+        heapq.heapreplace(loads, loads[0] + cost)
+    return max(loads)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 50), st.integers(0, 10**6)), max_size=400), st.integers(1, 40))
+def test_lpt_matches_a_plain_heap(costs, slots):
+    assert lpt_makespan(costs, slots) == heap_lpt([float(c) for c in costs], slots)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=5), st.sampled_from([(4, 1), (4, 2), (8, 8)]),
+       st.sampled_from([1, 16, 64]), st.sampled_from([1, 3, 40]), st.integers(0, 2**31 - 1))
+def test_emulated_tables_match_the_reference(seq_lens, heads, block_size, slots, seed):
+    num_qo, num_kv = heads
+    rng = np.random.default_rng(seed)
+    max_len = max(seq_lens) + 3
+    q = rng.standard_normal((len(seq_lens), num_qo, 32))
+    k = rng.standard_normal((len(seq_lens), max_len, num_kv, 32))
+    v = rng.standard_normal((len(seq_lens), max_len, num_kv, 32))
+    k[:, max_len - 3:] = np.nan  # past every length: never read
+    plan = choose_kv_splits(seq_lens, num_kv, block_size=block_size, slots=slots)
+    out, lse = emulate_unit_decode(q, k, v, seq_lens, plan)
+    ref_out, ref_lse = attention_reference(q, k, v, seq_lens)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_emulator_catches_a_row_no_unit_writes():
+    plan = choose_kv_splits([100, 50], 2, block_size=16, slots=4)
+    broken = UnitPlan(plan.block_size, plan.num_kv_heads, plan.slots, plan.units[1:], plan.merges,
+                      plan.num_partials, plan.makespan, plan.unsplit_makespan)
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((2, 4, 16)), rng.standard_normal((2, 100, 2, 16)), rng.standard_normal((2, 100, 2, 16))
+    out, _ = emulate_unit_decode(q, k, v, [100, 50], broken)
+    assert np.isnan(out).any()

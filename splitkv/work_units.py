@@ -164,7 +164,14 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
     if rows % slots and rows < SPLIT_WAVES * slots:
         unsplit = lpt_makespan(unsplit_costs, slots)
         best = unsplit
-        for candidate in _candidates(row_tokens, row_blocks, slots, costs):
+        # The LPT simulation only for candidates whose lower bound still beats the best so far, in
+        # the order of their bounds: the best plan usually packs close to its bound, so few run.
+        bounded = sorted(((_lower_bound(row_tokens, row_blocks, c, block_size, slots, costs), i, c)
+                          for i, c in enumerate(_candidates(row_tokens, row_blocks, slots, costs))),
+                         key=lambda entry: entry[:2])
+        for bound, _, candidate in bounded:
+            if bound >= best:
+                break
             predicted = _predicted_makespan(row_tokens, row_blocks, candidate, block_size, slots, costs, best)
             if predicted is not None and predicted < best:
                 best, ways = predicted, candidate
@@ -182,8 +189,8 @@ PROPORTIONAL_TARGETS = (1.0, 1.5, 2.0, 3.0)
 
 def _candidates(row_tokens, row_blocks, slots, costs):
     """Ways to split each row, one array per candidate (at most one piece per block):
-    - the ``rows mod slots`` longest rows k ways, and every row k ways, for k from 2 to
-      ``costs.max_ways`` (below one wave of rows, to as many ways as fill the slots);
+    - the ``rows mod slots`` longest rows k ways, and (below one wave of rows) every row k ways, for
+      k from 2 to ``costs.max_ways`` (below one wave of rows, to as many ways as fill the slots);
     - every row in pieces of about `PROPORTIONAL_TARGETS` times a slot's average load."""
     rows = row_tokens.size
     cap = np.maximum(row_blocks, 1)
@@ -198,8 +205,10 @@ def _candidates(row_tokens, row_blocks, slots, costs):
         seen.add(key)
         return ways
 
+    # At a wave of rows or more, splitting every row only adds units to the full waves.
+    families = (order[: rows % slots], order) if rows < slots else (order[: rows % slots],)
     for k in range(2, max(costs.max_ways, slots // rows) + 1):
-        for chosen in (order[: rows % slots], order):
+        for chosen in families:
             ways = np.ones(rows, dtype=np.int64)
             ways[chosen] = k
             if (ways := fresh(ways)) is not None:
@@ -257,15 +266,24 @@ def _pieces(row_tokens, row_blocks, ways, block_size) -> _Pieces:
     return _Pieces(row, index, first_block, blocks, tokens)
 
 
-def _predicted_makespan(row_tokens, row_blocks, ways, block_size, slots, costs, beat):
-    """LPT makespan plus merge of splitting rows ``ways`` ways; None when a lower bound (the longest
-    unit, or the average load) already fails to beat ``beat``, so that the pieces are not built."""
-    merge = _merge_cost(int(ways.sum() - np.count_nonzero(ways == 1)), slots, costs)
+def _lower_bound(row_tokens, row_blocks, ways, block_size, slots, costs) -> float:
+    """A lower bound of `_predicted_makespan`: the longest unit, or the slots' average load, plus the merge."""
     longest = np.minimum(-(-row_blocks // ways) * block_size, row_tokens)  # a row's first piece is its longest
     average = (float(row_tokens.sum()) + costs.unit_overhead * float(ways.sum())) / slots
-    if max(float(longest.max()) + costs.unit_overhead, average) + merge >= beat:
-        return None
+    merge = _merge_cost(int(ways.sum() - np.count_nonzero(ways == 1)), slots, costs)
+    return max(float(longest.max()) + costs.unit_overhead, average) + merge
+
+
+def _predicted_makespan(row_tokens, row_blocks, ways, block_size, slots, costs, beat) -> float | None:
+    """LPT makespan of the units of splitting rows ``ways`` ways, plus the merge; None, and no
+    simulation, when two of the ``slots + 1`` longest units, which must share a slot, already fail
+    to beat ``beat``."""
     unit_costs = _pieces(row_tokens, row_blocks, ways, block_size).tokens + costs.unit_overhead
+    merge = _merge_cost(int(ways.sum() - np.count_nonzero(ways == 1)), slots, costs)
+    if unit_costs.size > slots:
+        top = np.partition(unit_costs, unit_costs.size - slots - 1)[unit_costs.size - slots - 1:]
+        if float(np.sort(top)[:2].sum()) + merge >= beat:
+            return None
     return lpt_makespan(unit_costs, slots) + merge
 
 

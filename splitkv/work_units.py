@@ -112,14 +112,15 @@ class UnitPlan:
         return (self.block_size, self.num_kv_heads, self.slots, self.num_partials, self.makespan, self.unsplit_makespan)
 
 
-def lpt_makespan(costs, slots: int) -> float:
+def lpt_makespan(costs, slots: int, stop_at: float = math.inf) -> float:
     """Makespan of longest-processing-time-first list scheduling of ``costs`` on ``slots`` slots:
     each cost, the largest first, goes to the slot that frees up first.
 
     Exact, and vectorised over runs of jobs: with the loads sorted ascending and the next jobs
     largest first, job j lands on the j-th least loaded slot for as long as every earlier job of the
     run left its slot at least that loaded, so a whole run is one NumPy step (a wave of equal jobs
-    is one run)."""
+    is one run). ``stop_at``: the simulation may stop (returning a value >= it) as soon as the
+    makespan reaches it."""
     slots = _positive_int("slots", slots)
     ordered = np.sort(np.asarray(costs, dtype=np.float64).ravel())[::-1]
     if ordered.size <= slots:
@@ -134,6 +135,8 @@ def lpt_makespan(costs, slots: int) -> float:
         loads[:length] = new[:length]
         loads.sort()
         pos += length
+        if loads[-1] >= stop_at:  # loads only grow
+            break
     return float(loads[-1])
 
 
@@ -166,12 +169,12 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
         best = unsplit
         # The LPT simulation only for candidates whose lower bound still beats the best so far, in
         # the order of their bounds: the best plan usually packs close to its bound, so few run.
-        bounded = sorted(((_lower_bound(row_tokens, row_blocks, c, block_size, slots, costs), i, c)
-                          for i, c in enumerate(_candidates(row_tokens, row_blocks, slots, costs))),
-                         key=lambda entry: entry[:2])
-        for bound, _, candidate in bounded:
-            if bound >= best:
+        candidates = _candidates(row_tokens, row_blocks, slots, costs)
+        bounds = _lower_bounds(row_tokens, row_blocks, candidates, block_size, slots, costs)
+        for i in np.argsort(bounds, kind="stable"):
+            if bounds[i] >= best:
                 break
+            candidate = candidates[i]
             predicted = _predicted_makespan(row_tokens, row_blocks, candidate, block_size, slots, costs, best)
             if predicted is not None and predicted < best:
                 best, ways = predicted, candidate
@@ -187,37 +190,36 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
 PROPORTIONAL_TARGETS = (1.0, 1.5, 2.0, 3.0)
 
 
-def _candidates(row_tokens, row_blocks, slots, costs):
-    """Ways to split each row, one array per candidate (at most one piece per block):
-    - the ``rows mod slots`` longest rows k ways, and (below one wave of rows) every row k ways, for
-      k from 2 to ``costs.max_ways`` (below one wave of rows, to as many ways as fill the slots);
+def _candidates(row_tokens, row_blocks, slots, costs) -> np.ndarray:
+    """Ways to split each row, one row of the result per candidate (at most one piece per block,
+    no two alike, each splitting some row):
+    - the ``rows mod slots`` longest rows (every row, below a wave of rows) k ways, for k from 2 to
+      ``costs.max_ways`` (below a wave of rows, to as many ways as fill the slots);
     - every row in pieces of about `PROPORTIONAL_TARGETS` times a slot's average load."""
     rows = row_tokens.size
-    cap = np.maximum(row_blocks, 1)
-    order = np.argsort(-row_tokens, kind="stable")
-    seen = set()
-
-    def fresh(ways):
-        ways = np.minimum(ways, cap)
-        key = ways.tobytes()
-        if key in seen or not np.any(ways > 1):
-            return None
-        seen.add(key)
-        return ways
-
-    # At a wave of rows or more, splitting every row only adds units to the full waves.
-    families = (order[: rows % slots], order) if rows < slots else (order[: rows % slots],)
-    for k in range(2, max(costs.max_ways, slots // rows) + 1):
-        for chosen in families:
-            ways = np.ones(rows, dtype=np.int64)
-            ways[chosen] = k
-            if (ways := fresh(ways)) is not None:
-                yield ways
+    chosen = np.argsort(-row_tokens, kind="stable")[: rows % slots]
+    ks = np.arange(2, max(costs.max_ways, slots // rows) + 1)
+    by_k = np.ones((ks.size, rows), dtype=np.int64)
+    by_k[:, chosen] = ks[:, None]
     average = float((row_tokens + costs.unit_overhead).sum()) / slots
-    for target in PROPORTIONAL_TARGETS:
-        ways = np.maximum(np.ceil(row_tokens / (average * target)), 1).astype(np.int64)
-        if (ways := fresh(ways)) is not None:
-            yield ways
+    targets = average * np.asarray(PROPORTIONAL_TARGETS)[:, None]
+    proportional = np.maximum(np.ceil(row_tokens[None, :] / targets), 1).astype(np.int64)
+    ways = np.minimum(np.concatenate([by_k, proportional]), np.maximum(row_blocks, 1))
+    first_of_kind = {row.tobytes(): i for i, row in reversed(list(enumerate(ways)))}  # np.unique(axis=0) is slow
+    keep = np.zeros(len(ways), dtype=bool)
+    keep[list(first_of_kind.values())] = True
+    return ways[keep & (ways.max(axis=1) > 1)]
+
+
+def _lower_bounds(row_tokens, row_blocks, ways, block_size, slots, costs) -> np.ndarray:
+    """A lower bound of `_predicted_makespan` per candidate (row of ``ways``): its longest unit, or
+    the slots' average load, plus the merge."""
+    longest = np.minimum(-(-row_blocks // ways) * block_size, row_tokens).max(axis=1)  # a row's first piece is its longest
+    pieces = ways.sum(axis=1)
+    average = (float(row_tokens.sum()) + costs.unit_overhead * pieces) / slots
+    partials = pieces - np.count_nonzero(ways == 1, axis=1)
+    merge = np.where(partials > 0, costs.merge_fixed + costs.merge_per_partial * partials / slots, 0.0)
+    return np.maximum(longest + costs.unit_overhead, average) + merge
 
 
 def predicted_makespan(plan: UnitPlan, seq_lens, costs: CostModel | None = None) -> float:
@@ -266,14 +268,6 @@ def _pieces(row_tokens, row_blocks, ways, block_size) -> _Pieces:
     return _Pieces(row, index, first_block, blocks, tokens)
 
 
-def _lower_bound(row_tokens, row_blocks, ways, block_size, slots, costs) -> float:
-    """A lower bound of `_predicted_makespan`: the longest unit, or the slots' average load, plus the merge."""
-    longest = np.minimum(-(-row_blocks // ways) * block_size, row_tokens)  # a row's first piece is its longest
-    average = (float(row_tokens.sum()) + costs.unit_overhead * float(ways.sum())) / slots
-    merge = _merge_cost(int(ways.sum() - np.count_nonzero(ways == 1)), slots, costs)
-    return max(float(longest.max()) + costs.unit_overhead, average) + merge
-
-
 def _predicted_makespan(row_tokens, row_blocks, ways, block_size, slots, costs, beat) -> float | None:
     """LPT makespan of the units of splitting rows ``ways`` ways, plus the merge; None, and no
     simulation, when two of the ``slots + 1`` longest units, which must share a slot, already fail
@@ -284,7 +278,7 @@ def _predicted_makespan(row_tokens, row_blocks, ways, block_size, slots, costs, 
         top = np.partition(unit_costs, unit_costs.size - slots - 1)[unit_costs.size - slots - 1:]
         if float(np.sort(top)[:2].sum()) + merge >= beat:
             return None
-    return lpt_makespan(unit_costs, slots) + merge
+    return lpt_makespan(unit_costs, slots, stop_at=beat - merge) + merge
 
 
 def _tables(row_tokens, row_blocks, ways, num_kv_heads, block_size):

@@ -133,7 +133,11 @@ def heap_lpt(costs, slots):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(st.integers(0, 50), st.integers(0, 10**6)), max_size=400), st.integers(1, 40))
 def test_lpt_matches_a_plain_heap(costs, slots):
-    assert lpt_makespan(costs, slots) == heap_lpt([float(c) for c in costs], slots)
+    exact = heap_lpt([float(c) for c in costs], slots)
+    assert lpt_makespan(costs, slots) == exact
+    # Stopped early, it still says whether the makespan reaches the mark.
+    for mark in (exact / 2, exact, exact + 1):
+        assert (lpt_makespan(costs, slots, stop_at=mark) >= mark) == (exact >= mark)
 
 
 @settings(max_examples=40, deadline=None)

@@ -42,6 +42,17 @@ def attention_reference(q, k, v, seq_lens, sm_scale=None):
     return out.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
 
 
+def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, layout="NHD", sm_scale=None):
+    """`attention_reference` over paged caches (see `splitkv.paged`): the pages each sequence's
+    block-table row names, gathered in order."""
+    from .paged import gather_pages
+
+    max_len = int(np.max(seq_lens, initial=0))
+    k = gather_pages(k_cache, block_table, seq_lens, layout, max_len)
+    v = gather_pages(v_cache, block_table, seq_lens, layout, max_len)
+    return attention_reference(q, k, v, seq_lens, sm_scale)
+
+
 def split_partials(q, k, v, seq_lens, tokens_per_split, num_splits, sm_scale=None):
     """What the split program writes: per (sequence, split) partial outputs and base-2 LSE.
 

@@ -32,6 +32,8 @@ UNIT_FIELDS = ("sequence", "kv_head", "first_block", "num_blocks", "partial_slot
 NO_PARTIAL = -1
 #: Columns of the merge table.
 MERGE_FIELDS = ("row", "first_slot", "num_splits")
+#: The int32 words before the tables in `UnitPlan.to_buffer`.
+BUFFER_HEADER = ("num_units", "num_merges", "num_partials", "block_size")
 
 #: Fixed cost of one unit, in tokens of one K/V head streamed by one CTA: taking the unit, loading
 #: its Q, combining the warps and writing the result. A prior (about 1 µs on an H200 at D=128 bf16,
@@ -98,6 +100,35 @@ class UnitPlan:
     def column(self, name: str) -> np.ndarray:
         """One column of the unit table by its UNIT_FIELDS name."""
         return self.units[:, UNIT_FIELDS.index(name)]
+
+    def to_buffer(self, max_units: int, max_merges: int) -> np.ndarray:
+        """The tables in one int32 buffer of a fixed size, as the programs read them from the device:
+        a header (`BUFFER_HEADER`: unit count, merge count, partial count, block size), then
+        ``max_units`` unit rows and ``max_merges`` merge rows, the rows past the counts zero. One
+        copy per decode step updates the buffer in place, so a CUDA graph captured over it replays
+        for new lengths as long as the tables fit (see `max_units`)."""
+        max_units, max_merges = _positive_int("max_units", max_units), _positive_int("max_merges", max_merges)
+        if len(self.units) > max_units or len(self.merges) > max_merges:
+            raise ValueError(f"to_buffer: the plan has {len(self.units)} units and {len(self.merges)} merges, more "
+                             f"than the buffer's {max_units} and {max_merges}")
+        units_at = len(BUFFER_HEADER)
+        merges_at = units_at + max_units * len(UNIT_FIELDS)
+        buffer = np.zeros(merges_at + max_merges * len(MERGE_FIELDS), dtype=np.int32)
+        buffer[:units_at] = (len(self.units), len(self.merges), self.num_partials, self.block_size)
+        buffer[units_at:units_at + self.units.size] = self.units.ravel()
+        buffer[merges_at:merges_at + self.merges.size] = self.merges.ravel()
+        return buffer
+
+    @staticmethod
+    def tables_from_buffer(buffer, max_units: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """(units, merges, partials, block size) back from a `to_buffer` buffer of ``max_units`` unit rows."""
+        buffer = np.asarray(buffer, dtype=np.int32)
+        num_units, num_merges, num_partials, block_size = (int(x) for x in buffer[:len(BUFFER_HEADER)])
+        units_at = len(BUFFER_HEADER)
+        merges_at = units_at + max_units * len(UNIT_FIELDS)
+        units = buffer[units_at:units_at + num_units * len(UNIT_FIELDS)].reshape(-1, len(UNIT_FIELDS))
+        merges = buffer[merges_at:merges_at + num_merges * len(MERGE_FIELDS)].reshape(-1, len(MERGE_FIELDS))
+        return units, merges, num_partials, block_size
 
     def __eq__(self, other):
         if not isinstance(other, UnitPlan):
@@ -222,6 +253,18 @@ def _lower_bounds(row_tokens, row_blocks, ways, block_size, slots, costs) -> np.
     return np.maximum(longest + costs.unit_overhead, average) + merge
 
 
+def max_units(max_rows: int, slots: int, costs: CostModel | None = None) -> int:
+    """The most units a plan of at most ``max_rows`` rows (sequences x K/V heads) can have on
+    ``slots`` slots: rows stay whole from `SPLIT_WAVES` waves on; below, a candidate splits at most
+    every row ``max(max_ways, slots // rows)`` ways (at most ``max_ways`` rows' worth or ``slots``
+    pieces), or in proportion to the rows' lengths (at most ``slots + rows`` pieces, since no row is
+    longer than the total). Merges number at most the rows."""
+    max_rows, slots = _positive_int("max_rows", max_rows), _positive_int("slots", slots)
+    costs = costs if costs is not None else CostModel()
+    searched = min(max_rows, SPLIT_WAVES * slots - 1)
+    return max(max_rows, searched * costs.max_ways, slots, slots + searched)
+
+
 def predicted_makespan(plan: UnitPlan, seq_lens, costs: CostModel | None = None) -> float:
     """The cost model's makespan of ``plan`` for these lengths (LPT over its units, plus the merge)."""
     costs = costs if costs is not None else CostModel()
@@ -300,5 +343,5 @@ def _tables(row_tokens, row_blocks, ways, num_kv_heads, block_size):
     return units[order], merges, int(ways[split_rows].sum())
 
 
-__all__ = ["CostModel", "MERGE_FIELDS", "NO_PARTIAL", "UNIT_FIELDS", "UnitPlan", "choose_kv_splits",
-           "lpt_makespan", "predicted_makespan", "unit_tokens"]
+__all__ = ["BUFFER_HEADER", "CostModel", "MERGE_FIELDS", "NO_PARTIAL", "UNIT_FIELDS", "UnitPlan",
+           "choose_kv_splits", "lpt_makespan", "max_units", "predicted_makespan", "unit_tokens"]

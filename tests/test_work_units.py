@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from splitkv.reference import attention_reference, emulate_unit_decode
 from splitkv.work_units import (NO_PARTIAL, SPLIT_WAVES, CostModel, UnitPlan, choose_kv_splits, lpt_makespan,
-                                predicted_makespan, unit_tokens)
+                                max_units, predicted_makespan, unit_tokens)
 
 lengths = st.lists(st.one_of(st.integers(0, 40), st.integers(0, 5000), st.integers(0, 1 << 20)), min_size=1, max_size=48)
 
@@ -60,6 +60,13 @@ def test_tables_cover_every_token_once_and_agree(problem):
     plan = choose_kv_splits(**problem)
     check_tables(plan, problem["seq_lens"], problem["num_kv_heads"])
     assert choose_kv_splits(**problem) == plan, "deterministic"
+    # The fixed-size buffer a graph replays over holds any plan of as many rows, and gives it back.
+    rows = len(problem["seq_lens"]) * problem["num_kv_heads"]
+    capacity = max_units(rows, problem["slots"])
+    assert len(plan.units) <= capacity and len(plan.merges) <= rows
+    units, merges, partials, block_size = UnitPlan.tables_from_buffer(plan.to_buffer(capacity, rows), capacity)
+    assert np.array_equal(units, plan.units) and np.array_equal(merges, plan.merges)
+    assert (partials, block_size) == (plan.num_partials, plan.block_size)
 
 
 @settings(max_examples=150, deadline=None)
@@ -108,6 +115,14 @@ def test_threshold_and_ways_are_parameters():
     assert plan.merges[:, 2].tolist() == [3]
     # A short row is not worth the merge.
     assert not choose_kv_splits([40], 1, block_size=16, slots=132).split
+
+
+def test_a_buffer_too_small_is_refused():
+    plan = choose_kv_splits([6096], 7, block_size=16, slots=132)
+    with pytest.raises(ValueError, match="126 units"):
+        plan.to_buffer(100, 7)
+    buffer = plan.to_buffer(126, 7)
+    assert buffer.dtype == np.int32 and buffer.size == 4 + 126 * 5 + 7 * 3
 
 
 def test_bad_arguments_are_named():

@@ -62,13 +62,22 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
 
     # GPUs with 99 KB of shared memory per CTA (sm_86, sm_89, sm_120) cannot hold these rings: the
     # ring shrinks (shorter tiles, then fewer stages, then fewer warps) until the spec accepts it.
-    candidates = [(warps, tile, stages), (4, tile, stages), (4, 16, stages), (4, 16, 2), (2, 16, 2), (1, 16, 2)]
+    candidates = [(warps, tile, stages), (4, tile, stages), (4, tile // 2, stages), (4, 16, stages), (4, 16, 2),
+                  (2, 16, 2), (1, 16, 2)]
     for candidate in dict.fromkeys(candidates):  # in order, without repeats
         try:
             return shape(*candidate)
         except SharedMemoryError:
             continue
     return shape(*candidates[-1])  # raises, naming the shared memory even the smallest ring needs
+
+
+def takes_whole_row_clusters(kv_dtype: str) -> bool:
+    """Whether the planner may put each row's splits in one cluster on about half the SMs
+    (`plan.WHOLE_ROW_SHARE`). Half the SMs stream as fast as all of them where the stream is
+    bandwidth-bound; NVFP4's decode is not (H200, 32/8 64k: 46.2 µs on 128 CTAs against 63.4 on
+    64; 16k: 20.3 against 22.9), so its rows use every SM."""
+    return kv_dtype != "nvfp4"
 
 
 def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import streams, tensors
-from .heuristics import default_spec, resident_ctas_per_sm
+from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clusters
 from .quantize import QuantizedKV
 from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
                    wants_packed_heads, whole_row_ctas)
@@ -108,10 +108,7 @@ class DecodeAttention:
             self.dense_spec = default_spec(self.arch, *layout, "dense")
         else:
             self.dense_spec = base.replace(arch=self.arch).as_dense()
-        # Whole-row clusters on half the SMs stream as fast as the whole GPU where the stream is
-        # bandwidth-bound; NVFP4's software E2M1 decode is bound by instruction issue and needs every
-        # SM (H200, 32/8 64k: 46.2 us on 128 CTAs against 63.4 on 64; 16k: 20.3 against 22.9).
-        self._whole_row_clusters = kv_dtype != "nvfp4"
+        self._whole_row_clusters = takes_whole_row_clusters(kv_dtype)
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
@@ -364,21 +361,20 @@ class DecodeAttention:
     def _validate(self, arrays) -> list:
         """Checks the run's arrays; returns the streams their producers named (interface 'stream')."""
         q, k, v, out, lse = arrays
-        infos = [tensors.describe_kv(x, name) if name in "kv" else tensors.describe(x, name, bf16_from_uint16=True)
+        infos = [tensors.describe_kv(x, name) if name in ("k", "v") else tensors.describe(x, name, bf16_from_uint16=True)
                  for x, name in zip(arrays[:4], "q k v out".split())]
-        for x, name in ((k, "k"), (v, "v")):
-            if isinstance(x, QuantizedKV):  # its scales must sit with its values
-                parts = tensors.describe_quantized(x, name)
-                for part, part_name in ((parts.block_scales, "block_scales"), (parts.scale, "scale")):
-                    if part is not None:
-                        _check_device(f"{name}.{part_name}", part, self.device, "this DecodeAttention runs on")
         lse_info = tensors.describe(lse, "lse") if lse is not None else None
-        for name, info in zip("q k v out lse".split(), (*infos, lse_info)):
+        named = list(zip("q k v out lse".split(), (*infos, lse_info)))
+        for x, name in ((k, "k"), (v, "v")):
+            if isinstance(x, QuantizedKV):  # its scales are read on this device too, once their producers are done
+                parts = tensors.describe_quantized(x, name)
+                named += [(f"{name}.block_scales", parts.block_scales), (f"{name}.scale", parts.scale)]
+        for name, info in named:
             if info is not None:
                 _check_device(name, info, self.device, "this DecodeAttention runs on")
         shapes = tensors.check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info)
         self._check_against_plan(shapes, self._launch)
-        return [info.stream for info in (*infos, lse_info) if info is not None and info.stream is not None]
+        return [info.stream for _, info in named if info is not None and info.stream is not None]
 
     def _check_against_plan(self, shapes: tensors.DecodeShapes, launch: _Launch) -> None:
         expected = (launch.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim,

@@ -234,8 +234,8 @@ class KernelSpec:
         if self.smem_bytes + self.static_smem_bytes > limit:
             raise SharedMemoryError(
                 f"CTA shape needs {self.smem_bytes} bytes of shared memory (warps={self.warps} x "
-                f"stages={self.stages} x tile_tokens={self.tile_tokens} x head_dim={self.head_dim}); "
-                f"{self.arch} allows {limit}")
+                f"stages={self.stages} x tile_tokens={self.tile_tokens} x rows of head_dim={self.head_dim} "
+                f"{self.kv_dtype}); {self.arch} allows {limit}")
 
     # ---- derived quantities -------------------------------------------------------------------
     @property

@@ -359,6 +359,8 @@ def describe_quantized(x: Any, name: str) -> QuantizedParts:
     if scale.dtype != "fp32" or scale.ndim != 1 or scale.shape[0] not in (1, heads) or not scale.is_contiguous:
         raise ValueError(f"{name}.scale: expected a contiguous float32 array of 1 or num_kv_heads={heads} "
                          f"values, got {scale.dtype} {scale.shape}")
+    if scale.ptr % 4:
+        raise ValueError(f"{name}.scale: expected a data pointer aligned to 4 bytes (float32), got {scale.ptr:#x}")
     _check_same_device(scale, f"{name}.scale", values)
     return QuantizedParts(values, block_scales, scale)
 

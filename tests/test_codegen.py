@@ -112,6 +112,14 @@ def test_every_quantized_default_program_renders(arch):
         assert "using mma_t = __half;" in source
 
 
+def test_a_quantized_set_brings_the_merge_and_quantizer_of_both_query_dtypes():
+    # Quantized K/V take bf16 and fp16 queries, so their set needs merges (outputs) and quantizers
+    # (inputs) of both.
+    specs = default_specs("sm90", head_dims=(128,), kv_dtypes=("fp8_e4m3",))
+    assert {s.out_dtype for s in specs if isinstance(s, MergeSpec)} == {"bf16", "fp16"}
+    assert {s.in_dtype for s in specs if type(s).__name__ == "QuantizeSpec"} == {"bf16", "fp16"}
+
+
 @needs_nvrtc
 def test_hardware_e2m1_is_refused_where_the_arch_lacks_it():
     # The hardware E2M1 conversion exists on arch-specific targets from sm_100a on only: the switch

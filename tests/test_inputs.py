@@ -496,3 +496,54 @@ def test_cpu_torch_seq_lens_are_read_on_the_host():
     torch = pytest.importorskip("torch")
     got = check_seq_lens(torch.tensor([3, 0, 7], dtype=torch.int32), 3, 10)
     assert got.tolist() == [3, 0, 7]
+
+
+# ---- quantized K/V caches (splitkv.QuantizedKV) -------------------------------------------------
+
+def quantized(kv_dtype="fp8_e4m3", *, batch=2, length=64, heads=2, head_dim=128, scale_shape=(1,),
+              scale_ptr=BASE + 0x400000, block_shape=None, values_typestr="|u1"):
+    from splitkv import QuantizedKV
+
+    width = head_dim if kv_dtype == "fp8_e4m3" else head_dim // 2
+    values = FakeCAI((batch, length, heads, width), values_typestr, ptr=BASE + 0x100000)
+    blocks = None
+    if kv_dtype == "nvfp4":
+        blocks = FakeCAI(block_shape or (batch, length, heads, head_dim // 16), "|u1", ptr=BASE + 0x200000)
+    return QuantizedKV(kv_dtype, values, blocks, FakeCAI(scale_shape, "<f4", ptr=scale_ptr))
+
+
+@pytest.mark.parametrize("kv_dtype, head_dim", [("fp8_e4m3", 128), ("nvfp4", 128), ("nvfp4", 64)])
+def test_a_quantized_cache_is_described_by_its_logical_shape(kv_dtype, head_dim):
+    from splitkv.tensors import describe_kv
+
+    got = describe_kv(quantized(kv_dtype, head_dim=head_dim), "k")
+    assert got.shape == (2, 64, 2, head_dim) and got.dtype == kv_dtype and got.ptr == BASE + 0x100000
+    q = info((2, 8, head_dim))
+    shapes = check_decode_inputs(q, got, describe_kv(quantized(kv_dtype, head_dim=head_dim), "v"))
+    assert (shapes.kv_dtype, shapes.group_size, shapes.max_len) == (kv_dtype, 4, 64)
+
+
+@pytest.mark.parametrize("changes, exc, match", [
+    (dict(values_typestr="<f2"), TypeError, "k.values: expected dtype uint8"),
+    (dict(scale_shape=(3,)), ValueError, "k.scale: expected a contiguous float32 array of 1 or num_kv_heads=2"),
+    (dict(scale_ptr=BASE + 2), ValueError, "k.scale: expected a data pointer aligned to 4 bytes"),
+    (dict(kv_dtype="nvfp4", block_shape=(2, 64, 2, 4)), ValueError, r"k.block_scales: expected uint8 \(2, 64, 2, 8\)"),
+])
+def test_quantized_cache_faults_are_named(changes, exc, match):
+    from splitkv.tensors import describe_kv
+
+    with pytest.raises(exc, match=match):
+        describe_kv(quantized(**changes), "k")
+
+
+def test_quantized_parts_must_match_the_format():
+    from splitkv import QuantizedKV
+    from splitkv.tensors import describe_kv
+
+    fp8 = quantized("fp8_e4m3")
+    with pytest.raises(ValueError, match="k.block_scales: fp8_e4m3 has no block scales"):
+        describe_kv(QuantizedKV("fp8_e4m3", fp8.values, fp8.values, fp8.scale), "k")
+    with pytest.raises(ValueError, match="k.block_scales: NVFP4 needs its block scales"):
+        describe_kv(QuantizedKV("nvfp4", fp8.values, None, fp8.scale), "k")
+    with pytest.raises(ValueError, match="unknown quantized format"):
+        describe_kv(QuantizedKV("int4", fp8.values, None, fp8.scale), "k")

@@ -7,7 +7,8 @@ current device.
 from __future__ import annotations
 
 from ..heuristics import default_spec
-from ..spec import HEAD_DIMS, KV_DTYPES, Q_DTYPES, QUANTIZED_KV_DTYPES, arch_number, QUANTIZE_FORMATS, KernelSpec, MergeSpec, QuantizeSpec, parse_arch
+from ..spec import (HEAD_DIMS, KV_DTYPES, Q_DTYPES, QUANTIZE_FORMATS, QUANTIZED_KV_DTYPES, KernelSpec, MergeSpec,
+                    QuantizeSpec, arch_number, parse_arch)
 from .compile import CompileError, CompileResult, compile_cubin
 from .render import helper_headers, render
 
@@ -41,7 +42,8 @@ def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> 
                     if dense.warps > 1:  # plan.pack_heads
                         specs.append(dense.replace(warp_heads=True))
                     specs.append(default_spec(arch, head_dim, group, q_dtype, kv_dtype, "split"))
-    for dtype in dict.fromkeys(d if d in Q_DTYPES else "bf16" for d in kv_dtypes):  # outputs: query dtypes
+    # Merge outputs and quantizer inputs: every query dtype the decode programs above take.
+    for dtype in dict.fromkeys(q for d in kv_dtypes for q in ((d,) if d in Q_DTYPES else Q_DTYPES)):
         for head_dim in head_dims:
             specs.append(MergeSpec(arch=arch, head_dim=head_dim, out_dtype=dtype))
             specs += [QuantizeSpec(arch=arch, head_dim=head_dim, in_dtype=dtype, kv_format=f) for f in QUANTIZE_FORMATS]

@@ -33,10 +33,10 @@ __device__ __forceinline__ u32 encode_e2m1(float y) {
 }
 
 // ---- dequantizing K/V words into fp16 MMA operands ------------------------------------------
-// A 32-bit word of K/V (as ldmatrix delivers it) unpacks into W = 16 / bits packed fp16 pairs,
-// out[j] = (element pd(j, 0), element pd(j, 1)) of the word; the decode programs gather Q in the
-// matching order, so the pairs need no further shuffling. Values come out exact, times a power
-// of two (kv_unit) that the programs fold into their fp32 scales.
+// A 32-bit word of K/V (as ldmatrix delivers it) unpacks into 16 / bits packed fp16 pairs out[j],
+// each two elements of the word (which two, per format, below); the decode programs gather Q in
+// the matching order, so the pairs need no further shuffling. Values come out exact, times a power
+// of two (E2M1_UNIT for NVFP4, 1 for FP8) that the programs fold into their fp32 scales.
 
 // FP8: out[j] = elements (2j, 2j + 1). One hardware conversion per pair (sm_89+), NaN kept.
 __device__ __forceinline__ void unpack_e4m3x4(u32 w, u32 (&out)[2]) {

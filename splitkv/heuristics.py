@@ -62,7 +62,7 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
 
     # GPUs with 99 KB of shared memory per CTA (sm_86, sm_89, sm_120) cannot hold these rings: the
     # ring shrinks (shorter tiles, then fewer stages, then fewer warps) until the spec accepts it.
-    candidates = [(warps, tile, stages), (4, tile, stages), (4, tile // 2, stages), (4, 16, stages), (4, 16, 2),
+    candidates = [(warps, tile, stages), (4, tile, stages), (4, max(tile // 2, 16), stages), (4, 16, stages), (4, 16, 2),
                   (2, 16, 2), (1, 16, 2)]
     for candidate in dict.fromkeys(candidates):  # in order, without repeats
         try:

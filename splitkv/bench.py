@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import cluster_layout
-from .spec import KV_DTYPE_BITS, NVFP4_BLOCK, KernelSpec, arch_number
+from .spec import KernelSpec, arch_number, kv_token_bytes
 
 # ---------------------------------------------------------------------------------------------
 # Shapes
@@ -87,10 +87,7 @@ class Shape:
     # to K/V, but counted so that GB/s is honest).
     @property
     def kv_bytes(self) -> int:
-        per_row = self.head_dim * KV_DTYPE_BITS[self.kv_dtype] // 8
-        if self.kv_dtype == "nvfp4":
-            per_row += self.head_dim // NVFP4_BLOCK
-        return 2 * self.batch * self.seq_len * self.num_kv_heads * per_row
+        return 2 * self.batch * self.seq_len * self.num_kv_heads * kv_token_bytes(self.head_dim, self.kv_dtype)
 
     @property
     def q_bytes(self) -> int:

@@ -33,15 +33,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .spec import QUANTIZE_FORMATS
+from .spec import NVFP4_BLOCK, QUANTIZE_FORMATS  # NVFP4_BLOCK: elements per NVFP4 block scale
 
-#: Bits of one stored element of each format (without scales).
-FORMAT_BITS = {"fp8_e4m3": 8, "nvfp4": 4}
 #: Largest finite magnitudes.
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-#: Elements per NVFP4 block scale.
-NVFP4_BLOCK = 16
 #: The NaN codes the quantizers write for non-finite inputs (E4M3 element or NVFP4 block scale).
 E4M3_NAN = 0x7F
 #: Representable E2M1 magnitudes, by code (bits 0..2; bit 3 is the sign).

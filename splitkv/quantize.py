@@ -156,7 +156,7 @@ def _scale_array(scale, x_cp, info, kv_dtype: str, per_head: bool):
     if scale is None:
         return _default_scale(x_cp, info.dtype, kv_dtype, per_head)
     if tensors.is_device_array(scale):
-        _check_device_scale(scale, "scale", num_kv_heads)
+        tensors.describe_scale(scale, "scale", num_kv_heads)
         return tensors.to_cupy(scale)
     host = np.asarray(scale, np.float64).reshape(-1)
     kv_formats.head_scales(host, num_kv_heads)  # validates count and sign
@@ -194,15 +194,8 @@ def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: in
         if blocks.shape != block_shape or blocks.dtype != "uint8" or not blocks.is_contiguous:
             raise ValueError(f"out.block_scales: expected contiguous uint8 {block_shape}, got "
                              f"{blocks.dtype} {blocks.shape}")
-    _check_device_scale(out.scale, "out.scale", num_kv_heads)
+    tensors.describe_scale(out.scale, "out.scale", num_kv_heads)
     return out
-
-
-def _check_device_scale(scale, name: str, num_kv_heads: int) -> None:
-    info = tensors.describe(scale, name)
-    if info.dtype != "fp32" or info.ndim != 1 or info.shape[0] not in (1, num_kv_heads) or not info.is_contiguous:
-        raise ValueError(f"{name}: expected a contiguous float32 device array of 1 or num_kv_heads="
-                         f"{num_kv_heads} values, got {info.dtype} {info.shape}")
 
 
 def _positions_array(positions, batch: int, tokens: int, cache_len: int):

@@ -361,14 +361,18 @@ class DecodeAttention:
     def _validate(self, arrays) -> list:
         """Checks the run's arrays; returns the streams their producers named (interface 'stream')."""
         q, k, v, out, lse = arrays
-        infos = [tensors.describe_kv(x, name) if name in ("k", "v") else tensors.describe(x, name, bf16_from_uint16=True)
-                 for x, name in zip(arrays[:4], "q k v out".split())]
+        scale_infos = []  # a quantized cache's scales are read on this device too, once their producers are done
+
+        def describe(x, name):
+            if name not in ("k", "v") or not isinstance(x, QuantizedKV):
+                return tensors.describe(x, name, bf16_from_uint16=True)
+            parts = tensors.describe_quantized(x, name)
+            scale_infos.extend([(f"{name}.block_scales", parts.block_scales), (f"{name}.scale", parts.scale)])
+            return tensors.quantized_kv_info(x.kv_dtype, parts)
+
+        infos = [describe(x, name) for x, name in zip(arrays[:4], "q k v out".split())]
         lse_info = tensors.describe(lse, "lse") if lse is not None else None
-        named = list(zip("q k v out lse".split(), (*infos, lse_info)))
-        for x, name in ((k, "k"), (v, "v")):
-            if isinstance(x, QuantizedKV):  # its scales are read on this device too, once their producers are done
-                parts = tensors.describe_quantized(x, name)
-                named += [(f"{name}.block_scales", parts.block_scales), (f"{name}.scale", parts.scale)]
+        named = list(zip("q k v out lse".split(), (*infos, lse_info))) + scale_infos
         for name, info in named:
             if info is not None:
                 _check_device(name, info, self.device, "this DecodeAttention runs on")

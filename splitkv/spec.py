@@ -27,6 +27,12 @@ KV_DTYPE_BITS = {"bf16": 16, "fp16": 16, "fp8_e4m3": 8, "nvfp4": 4}
 QUANTIZED_KV_DTYPES = ("fp8_e4m3", "nvfp4")
 #: NVFP4 elements per E4M3 block scale.
 NVFP4_BLOCK = 16
+
+
+def kv_token_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one token's K (or V) of one K/V head in memory, NVFP4's block scales included."""
+    scales = head_dim // NVFP4_BLOCK if kv_dtype == "nvfp4" else 0
+    return head_dim * KV_DTYPE_BITS[kv_dtype] // 8 + scales
 #: dense: one CTA per (sequence, K/V head) writes the final output.
 #: split: several CTAs per (sequence, K/V head) write fp32 partials and their log-sum-exp,
 #: and an exact merge combines them (fused into the last CTA of a row, or a separate program).
@@ -272,7 +278,7 @@ class KernelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K plus V (block scales included) one token of one K/V head occupies in memory."""
-        return 2 * (self.kv_row_bytes + self.kv_scale_row_bytes)
+        return 2 * kv_token_bytes(self.head_dim, self.kv_dtype)
 
     @property
     def mma_dtype(self) -> str:

@@ -322,10 +322,14 @@ def describe_kv(x: Any, name: str) -> TensorInfo:
     format as the dtype (the pointer is its values')."""
     if not is_quantized_kv(x):
         return describe(x, name, bf16_from_uint16=True)
-    parts = describe_quantized(x, name)
+    return quantized_kv_info(x.kv_dtype, describe_quantized(x, name))
+
+
+def quantized_kv_info(kv_dtype: str, parts: QuantizedParts) -> TensorInfo:
+    """A checked quantized K or V described as `describe_kv` does (logical shape, format as dtype)."""
     batch, length, heads, width = parts.values.shape
-    shape = (batch, length, heads, width * 8 // spec.KV_DTYPE_BITS[x.kv_dtype])
-    return TensorInfo(parts.values.ptr, shape, _contiguous_strides(shape), x.kv_dtype, parts.values.device,
+    shape = (batch, length, heads, width * 8 // spec.KV_DTYPE_BITS[kv_dtype])
+    return TensorInfo(parts.values.ptr, shape, _contiguous_strides(shape), kv_dtype, parts.values.device,
                       parts.values.kind, parts.values.stream, parts.values.readonly)
 
 
@@ -355,14 +359,21 @@ def describe_quantized(x: Any, name: str) -> QuantizedParts:
         _check_same_device(block_scales, f"{name}.block_scales", values)
     elif x.block_scales is not None:
         raise ValueError(f"{name}.block_scales: {x.kv_dtype} has no block scales; expected None")
-    scale = describe(x.scale, f"{name}.scale")
-    if scale.dtype != "fp32" or scale.ndim != 1 or scale.shape[0] not in (1, heads) or not scale.is_contiguous:
-        raise ValueError(f"{name}.scale: expected a contiguous float32 array of 1 or num_kv_heads={heads} "
-                         f"values, got {scale.dtype} {scale.shape}")
-    if scale.ptr % 4:
-        raise ValueError(f"{name}.scale: expected a data pointer aligned to 4 bytes (float32), got {scale.ptr:#x}")
+    scale = describe_scale(x.scale, f"{name}.scale", heads)
     _check_same_device(scale, f"{name}.scale", values)
     return QuantizedParts(values, block_scales, scale)
+
+
+def describe_scale(x: Any, name: str, num_kv_heads: int) -> TensorInfo:
+    """A quantized tensor's scale, checked: a contiguous, aligned float32 device array of 1 (per
+    tensor) or ``num_kv_heads`` (per K/V head) values."""
+    scale = describe(x, name)
+    if scale.dtype != "fp32" or scale.ndim != 1 or scale.shape[0] not in (1, num_kv_heads) or not scale.is_contiguous:
+        raise ValueError(f"{name}: expected a contiguous float32 array of 1 or num_kv_heads={num_kv_heads} "
+                         f"values, got {scale.dtype} {scale.shape}")
+    if scale.ptr % 4:
+        raise ValueError(f"{name}: expected a data pointer aligned to 4 bytes (float32), got {scale.ptr:#x}")
+    return scale
 
 
 def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,

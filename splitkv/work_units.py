@@ -111,8 +111,7 @@ class UnitPlan:
         if len(self.units) > max_units or len(self.merges) > max_merges:
             raise ValueError(f"to_buffer: the plan has {len(self.units)} units and {len(self.merges)} merges, more "
                              f"than the buffer's {max_units} and {max_merges}")
-        units_at = len(BUFFER_HEADER)
-        merges_at = units_at + max_units * len(UNIT_FIELDS)
+        units_at, merges_at = _buffer_offsets(max_units)
         buffer = np.zeros(merges_at + max_merges * len(MERGE_FIELDS), dtype=np.int32)
         buffer[:units_at] = (len(self.units), len(self.merges), self.num_partials, self.block_size)
         buffer[units_at:units_at + self.units.size] = self.units.ravel()
@@ -124,8 +123,7 @@ class UnitPlan:
         """(units, merges, partials, block size) back from a `to_buffer` buffer of ``max_units`` unit rows."""
         buffer = np.asarray(buffer, dtype=np.int32)
         num_units, num_merges, num_partials, block_size = (int(x) for x in buffer[:len(BUFFER_HEADER)])
-        units_at = len(BUFFER_HEADER)
-        merges_at = units_at + max_units * len(UNIT_FIELDS)
+        units_at, merges_at = _buffer_offsets(max_units)
         units = buffer[units_at:units_at + num_units * len(UNIT_FIELDS)].reshape(-1, len(UNIT_FIELDS))
         merges = buffer[merges_at:merges_at + num_merges * len(MERGE_FIELDS)].reshape(-1, len(MERGE_FIELDS))
         return units, merges, num_partials, block_size
@@ -141,6 +139,12 @@ class UnitPlan:
 
     def _scalars(self) -> tuple:
         return (self.block_size, self.num_kv_heads, self.slots, self.num_partials, self.makespan, self.unsplit_makespan)
+
+
+def _buffer_offsets(max_units: int) -> tuple[int, int]:
+    """Where the unit rows and the merge rows start in a `UnitPlan.to_buffer` buffer (int32 words)."""
+    units_at = len(BUFFER_HEADER)
+    return units_at, units_at + max_units * len(UNIT_FIELDS)
 
 
 def lpt_makespan(costs, slots: int, stop_at: float = math.inf) -> float:
@@ -248,9 +252,7 @@ def _lower_bounds(row_tokens, row_blocks, ways, block_size, slots, costs) -> np.
     longest = np.minimum(-(-row_blocks // ways) * block_size, row_tokens).max(axis=1)  # a row's first piece is its longest
     pieces = ways.sum(axis=1)
     average = (float(row_tokens.sum()) + costs.unit_overhead * pieces) / slots
-    partials = pieces - np.count_nonzero(ways == 1, axis=1)
-    merge = np.where(partials > 0, costs.merge_fixed + costs.merge_per_partial * partials / slots, 0.0)
-    return np.maximum(longest + costs.unit_overhead, average) + merge
+    return np.maximum(longest + costs.unit_overhead, average) + _merge_cost(_partials(ways), slots, costs)
 
 
 def max_units(max_rows: int, slots: int, costs: CostModel | None = None) -> int:
@@ -270,7 +272,7 @@ def predicted_makespan(plan: UnitPlan, seq_lens, costs: CostModel | None = None)
     costs = costs if costs is not None else CostModel()
     tokens = unit_tokens(plan, seq_lens)
     total = lpt_makespan(tokens + costs.unit_overhead, plan.slots)
-    return total + _merge_cost(plan.num_partials, plan.slots, costs)
+    return total + float(_merge_cost(plan.num_partials, plan.slots, costs))
 
 
 def unit_tokens(plan: UnitPlan, seq_lens) -> np.ndarray:
@@ -282,10 +284,15 @@ def unit_tokens(plan: UnitPlan, seq_lens) -> np.ndarray:
     return np.maximum(end - first, 0)
 
 
-def _merge_cost(num_partials: int, slots: int, costs: CostModel) -> float:
-    if num_partials == 0:
-        return 0.0
-    return costs.merge_fixed + costs.merge_per_partial * num_partials / slots
+def _partials(ways):
+    """Partials of splitting rows ``ways`` ways (per candidate, for a 2-D ``ways``): the split rows' pieces."""
+    return ways.sum(axis=-1) - np.count_nonzero(ways == 1, axis=-1)
+
+
+def _merge_cost(num_partials, slots: int, costs: CostModel):
+    """The merge program's cost for ``num_partials`` partials (0 when nothing is split; per element
+    for an array of counts)."""
+    return np.where(num_partials > 0, costs.merge_fixed + costs.merge_per_partial * num_partials / slots, 0.0)
 
 
 @dataclass(frozen=True)
@@ -316,7 +323,7 @@ def _predicted_makespan(row_tokens, row_blocks, ways, block_size, slots, costs, 
     simulation, when two of the ``slots + 1`` longest units, which must share a slot, already fail
     to beat ``beat``."""
     unit_costs = _pieces(row_tokens, row_blocks, ways, block_size).tokens + costs.unit_overhead
-    merge = _merge_cost(int(ways.sum() - np.count_nonzero(ways == 1)), slots, costs)
+    merge = float(_merge_cost(_partials(ways), slots, costs))
     if unit_costs.size > slots:
         top = np.partition(unit_costs, unit_costs.size - slots - 1)[unit_costs.size - slots - 1:]
         if float(np.sort(top)[:2].sum()) + merge >= beat:

@@ -31,8 +31,7 @@ def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> 
     kv_dtypes = tuple(kv_dtypes or (d for d in KV_DTYPES if d not in QUANTIZED_KV_DTYPES or arch_number(arch) >= 89))
     specs: list = []
     for kv_dtype in kv_dtypes:
-        q_dtypes = (kv_dtype,) if kv_dtype in Q_DTYPES else Q_DTYPES
-        for q_dtype in q_dtypes:
+        for q_dtype in _query_dtypes(kv_dtype):
             for head_dim in head_dims:
                 if kv_dtype == "nvfp4" and head_dim % 64:
                     continue
@@ -43,11 +42,16 @@ def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> 
                         specs.append(dense.replace(warp_heads=True))
                     specs.append(default_spec(arch, head_dim, group, q_dtype, kv_dtype, "split"))
     # Merge outputs and quantizer inputs: every query dtype the decode programs above take.
-    for dtype in dict.fromkeys(q for d in kv_dtypes for q in ((d,) if d in Q_DTYPES else Q_DTYPES)):
+    for dtype in dict.fromkeys(q for d in kv_dtypes for q in _query_dtypes(d)):
         for head_dim in head_dims:
             specs.append(MergeSpec(arch=arch, head_dim=head_dim, out_dtype=dtype))
             specs += [QuantizeSpec(arch=arch, head_dim=head_dim, in_dtype=dtype, kv_format=f) for f in QUANTIZE_FORMATS]
     return specs
+
+
+def _query_dtypes(kv_dtype: str) -> tuple:
+    """The query dtypes built for a K/V dtype: its own for 16-bit K/V, both for quantized ones."""
+    return (kv_dtype,) if kv_dtype in Q_DTYPES else Q_DTYPES
 
 
 def load_kernel(spec):

@@ -7,7 +7,8 @@ the planner needs, computed from the compiled kernel's registers and shared memo
 
 from __future__ import annotations
 
-from .spec import ARCHS, QUANTIZED_KV_DTYPES, KernelSpec, SharedMemoryError, arch_number, rows_fit_tma_boxes
+from .spec import (ARCHS, QUANTIZED_KV_DTYPES, TMA_SWIZZLE_ROWS, KernelSpec, SharedMemoryError, arch_number,
+                   rows_fit_tma_boxes)
 
 #: 32-bit registers per SM (the same from sm_80 through sm_120).
 _REGISTERS_PER_SM = 65536
@@ -16,7 +17,7 @@ _SMEM_RESERVED_PER_CTA = 1024
 
 
 def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16", kv_dtype: str = "bf16",
-                 variant: str = "split") -> KernelSpec:
+                 variant: str = "split", page_size: int = 0, kv_layout: str = "NHD") -> KernelSpec:
     """The built-in CTA shape: four warps, each streaming its own tiles through a ring in shared memory.
 
     On sm_90 and newer, K/V tiles arrive through tensor maps (``kv_copy="tma"``) wherever a row is a
@@ -41,9 +42,13 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     with 64-token tiles against 59.4 with 32), and NVFP4, whose software E2M1 decode is bound by
     instruction issue, runs eight warps three stages deep (63.5 µs against 72.5; 64-token tiles:
     82.5).
+
+    Paged caches (``page_size`` > 0) keep these shapes; tensor maps take pages of 8 tokens and more
+    (a box per page when pages are shorter than a tile), shorter pages per-lane copies.
     """
     dense = variant == "dense"
-    tma = arch_number(arch) >= 90 and rows_fit_tma_boxes(head_dim, kv_dtype)
+    tma = (arch_number(arch) >= 90 and rows_fit_tma_boxes(head_dim, kv_dtype)
+           and (page_size == 0 or page_size >= TMA_SWIZZLE_ROWS))
     small_dense = dense and not tma and kv_dtype not in QUANTIZED_KV_DTYPES
     tile = 16 if head_dim > 128 or small_dense else 32
     stages = 3 if small_dense and head_dim <= 128 else 2
@@ -58,7 +63,7 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
         return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype,
                           kv_dtype=kv_dtype, variant=variant, chunk_size=warps * tile, warps=warps,
                           tile_tokens=tile, stages=stages, cluster=cluster, kv_copy="tma" if tma else "cp_async",
-                          mma_m="tokens" if group_size <= 8 else "heads")
+                          mma_m="tokens" if group_size <= 8 else "heads", page_size=page_size, kv_layout=kv_layout)
 
     # GPUs with 99 KB of shared memory per CTA (sm_86, sm_89, sm_120) cannot hold these rings: the
     # ring shrinks (shorter tiles, then fewer stages, then fewer warps) until the spec accepts it.

@@ -7,8 +7,8 @@ pages may come in any order, and a sequence's last page may be partly filled. En
 the pages its length needs are never read. The contiguous layout ``[B, L, Hkv, D]`` is the special
 case of one page of L tokens per sequence.
 
-Host-side and NumPy only: the decode programs that read pages come with the work-unit programs
-(see docs/design.md, Known gaps).
+Host-side and NumPy only; the decode programs read pages through the block table on the device
+(``KernelSpec.page_size``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from .plan import _check_lens, _positive_int
-
-#: Axis orders of a page: tokens then heads (NHD), or heads then tokens (HND).
-PAGED_LAYOUTS = ("NHD", "HND")
-#: Page sizes the programs take: powers of two from 1 to 256 tokens.
-PAGE_SIZES = tuple(1 << i for i in range(9))
+from .spec import KV_LAYOUTS as PAGED_LAYOUTS
+from .spec import PAGE_SIZES
 
 
 def check_layout(layout: str) -> str:
@@ -59,8 +56,18 @@ def check_block_table(block_table, seq_lens, *, num_pages: int, page_size: int) 
     sequence (and entry) at fault when a sequence needs more pages than its row holds, or an entry
     it reads lies outside ``0 .. num_pages - 1``. Entries past what a length needs are not read,
     so they are not checked (engines leave them stale)."""
-    lens = _check_lens(seq_lens).astype(np.int64)
     num_pages = _positive_int("num_pages", num_pages)
+    table, highest = used_pages(block_table, seq_lens, page_size)
+    check_pages_exist(highest, num_pages)
+    return table
+
+
+def used_pages(block_table, seq_lens, page_size: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """The checks of `check_block_table` that need no cache: the table as int32, and where its
+    highest entry that the lengths read lies, as (page, sequence, entry) ((-1, -1, -1) when none
+    is read), for `check_pages_exist` once the cache is known. ValueError for a row too short for
+    its length or a negative entry it reads; TypeError for entries that are no integers."""
+    lens = _check_lens(seq_lens).astype(np.int64)
     table = np.asarray(block_table)
     if table.ndim != 2 or table.shape[0] != lens.size:
         raise ValueError(f"block_table: expected shape [{lens.size}, max_pages_per_seq] (one row per sequence), "
@@ -74,12 +81,26 @@ def check_block_table(block_table, seq_lens, *, num_pages: int, page_size: int) 
         raise ValueError(f"block_table: sequence {b} of {int(lens[b])} tokens needs {int(needed[b])} pages of "
                          f"{page_size}, but the table holds {table.shape[1]} per sequence")
     used = np.arange(table.shape[1])[None, :] < needed[:, None]
-    bad = used & ((table < 0) | (table >= num_pages))
-    if bad.any():
-        b, i = (int(x) for x in np.argwhere(bad)[0])
-        raise ValueError(f"block_table: sequence {b}'s page {i} is {int(table[b, i])}, outside the cache's "
-                         f"{num_pages} pages")
-    return np.ascontiguousarray(table, dtype=np.int32)  # the entries read lie below num_pages
+    negative = used & (table < 0)
+    if negative.any():
+        b, i = (int(x) for x in np.argwhere(negative)[0])
+        raise ValueError(f"block_table: sequence {b}'s page {i} is {int(table[b, i])}, not a page index")
+    highest = (-1, -1, -1)
+    if used.any():
+        masked = np.where(used, table, -1)
+        b, i = np.unravel_index(int(np.argmax(masked)), masked.shape)
+        highest = (int(masked[b, i]), int(b), int(i))
+        if highest[0] > np.iinfo(np.int32).max:
+            raise ValueError(f"block_table: sequence {b}'s page {i} is {highest[0]}, past the int32 page indices")
+    return np.ascontiguousarray(table, dtype=np.int32), highest
+
+
+def check_pages_exist(highest: tuple[int, int, int], num_pages: int) -> None:
+    """ValueError when the highest page a table reads (from `used_pages`) is not in a cache of
+    ``num_pages`` pages, naming the sequence and entry."""
+    page, b, i = highest
+    if page >= num_pages:
+        raise ValueError(f"block_table: sequence {b}'s page {i} is {page}, outside the cache's {num_pages} pages")
 
 
 def gather_pages(cache, block_table, seq_lens, layout: str, max_len: int | None = None) -> np.ndarray:

@@ -20,18 +20,30 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import streams, tensors
+from . import paged, streams, tensors
 from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clusters
 from .quantize import QuantizedKV
 from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
                    wants_packed_heads, whole_row_ctas)
-from .spec import TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from .spec import KV_LAYOUTS, PAGE_SIZES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
 _ALIGN = 16
 _MERGE_THREADS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockTable:
+    """A plan's block table: the device array the program reads (kept alive here), its row length,
+    and the highest page the planned lengths read, with where it is (``paged.used_pages``; page -1
+    when not checked), compared with the cache's page count when run() validates."""
+
+    array: object
+    ptr: np.uint64
+    stride: int
+    highest: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +63,7 @@ class _Launch:
     workspace_ptrs: tuple
     span_args: tuple = ()  # span_rows programs: (rows, tiles per row, partial slots per row) as int32
     empty_kv_ptr: int = 0  # tma with every length 0: one tile of memory for maps of an empty cache
+    table: _BlockTable | None = None  # paged caches: the block table the plan reads through
 
 
 class DecodeAttention:
@@ -65,6 +78,10 @@ class DecodeAttention:
     ``device``: the CUDA device it runs on (default: CuPy's current device when it is built);
     plan() and run() switch to it, whatever device is current when they are called.
 
+    ``page_size`` (None: contiguous caches ``[B, L, Hkv, D]``): run() reads paged caches of pages of
+    that many tokens, ``kv_layout`` 'NHD' ``[num_pages, page_size, Hkv, D]`` or 'HND'
+    ``[num_pages, Hkv, page_size, D]``, through the ``block_table`` given to plan().
+
     The workspace comes from CuPy's memory pool on the stream of the plan() that sized it. When
     run() is called on other streams, keep the instance alive until those runs are done (or
     synchronize them before dropping it): a freed block may be handed out again on the plan's
@@ -73,7 +90,8 @@ class DecodeAttention:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: str = "bf16",
                  kv_dtype: str = "bf16", sm_scale: float | None = None, spec: KernelSpec | None = None,
-                 dense_spec: KernelSpec | None = None, device: int | None = None):
+                 dense_spec: KernelSpec | None = None, device: int | None = None, page_size: int | None = None,
+                 kv_layout: str = "NHD"):
         import cupy
 
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -85,6 +103,13 @@ class DecodeAttention:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         sm_scale = _checked_sm_scale(sm_scale)
+        if page_size is not None and (isinstance(page_size, bool) or page_size not in PAGE_SIZES):
+            raise ValueError(f"page_size: expected None (contiguous caches) or a power of two from 1 to "
+                             f"{PAGE_SIZES[-1]}, got {page_size!r}")
+        if kv_layout not in KV_LAYOUTS or (page_size is None and kv_layout != "NHD"):
+            raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)} ('HND' with a page_size), got {kv_layout!r}")
+        self.page_size, self.kv_layout = int(page_size or 0), kv_layout
+        paging = dict(page_size=self.page_size, kv_layout=kv_layout)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group_size = num_qo_heads // num_kv_heads
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
@@ -100,14 +125,14 @@ class DecodeAttention:
             if given is not None and given.warp_heads:
                 raise ValueError(f"{name}: warp_heads is chosen per plan, not per instance; "
                                  "use plan(..., warp_heads=True)")
-        base = spec or default_spec(self.arch, *layout)
-        self.split_spec = base.replace(arch=self.arch, variant="split")
+        base = spec or default_spec(self.arch, *layout, **paging)
+        self.split_spec = base.replace(arch=self.arch, variant="split", **paging)
         if dense_spec is not None:
-            self.dense_spec = dense_spec.replace(arch=self.arch).as_dense()
+            self.dense_spec = dense_spec.replace(arch=self.arch, **paging).as_dense()
         elif spec is None:  # the built-in shapes differ between the programs
-            self.dense_spec = default_spec(self.arch, *layout, "dense")
+            self.dense_spec = default_spec(self.arch, *layout, "dense", **paging)
         else:
-            self.dense_spec = base.replace(arch=self.arch).as_dense()
+            self.dense_spec = base.replace(arch=self.arch, **paging).as_dense()
         self._whole_row_clusters = takes_whole_row_clusters(kv_dtype)
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
@@ -119,8 +144,9 @@ class DecodeAttention:
         self._producer_events: dict[int, object] = {}  # streams named by inputs' interfaces
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
-    def plan(self, seq_lens, max_len: int | None = None, *, variant: str | None = None,
-             num_splits: int | None = None, warp_heads: bool | None = None, stream=None) -> SplitPlan:
+    def plan(self, seq_lens, max_len: int | None = None, *, block_table=None, validate: bool = True,
+             variant: str | None = None, num_splits: int | None = None, warp_heads: bool | None = None,
+             stream=None) -> SplitPlan:
         """Choose dense or split for these lengths, compile what that needs, size the workspace.
 
         ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
@@ -130,6 +156,13 @@ class DecodeAttention:
         ``warp_heads`` True or False overrides whether a dense plan's warps get a K/V head each
         (None: the planner's choice, ``plan.wants_packed_heads``, which applies to a dense plan
         asked for through ``variant`` too).
+        ``block_table`` (paged caches only, and required there): int32 ``[B, max_pages_per_seq]``, host
+        or device; a device table is read in place, so entries rewritten there reach graph
+        replays. ``validate`` (default True): the table is read back and checked (every page a
+        length needs is listed and not negative here; that each exists, when run() first sees the
+        cache), a clear ValueError naming the sequence and entry at fault; False skips reading a
+        device table back. Either way the programs clamp every page index into the cache, so no
+        table makes them read outside it.
         ``stream``: where the lengths and the zeroed counters are written (a CuPy or torch stream,
         or a handle). Default: torch's current stream for a torch ``seq_lens``, else the current
         CuPy stream of this instance's device. run() may launch on other streams: the GPU keeps
@@ -137,7 +170,7 @@ class DecodeAttention:
         another stream than the one before waits for it; the host never waits).
         """
         with self._in_call_order(seq_lens if tensors.is_device_array(seq_lens) else None, stream):
-            return self._plan(seq_lens, max_len, variant, num_splits, warp_heads)
+            return self._plan(seq_lens, max_len, variant, num_splits, warp_heads, block_table, validate)
 
     @contextlib.contextmanager
     def _in_call_order(self, like, stream):
@@ -151,11 +184,17 @@ class DecodeAttention:
                 yield ptr
                 self._order.leave(ptr, capturing)
 
-    def _plan(self, seq_lens, max_len, variant, num_splits, warp_heads) -> SplitPlan:
+    def _plan(self, seq_lens, max_len, variant, num_splits, warp_heads, block_table, validate) -> SplitPlan:
         from .codegen.load import load_kernel
 
         if warp_heads is not None and not isinstance(warp_heads, bool):
             raise TypeError(f"warp_heads: expected None, True or False, got {warp_heads!r}")
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate: expected True or False, got {validate!r}")
+        if (block_table is None) != (self.page_size == 0):
+            raise ValueError("block_table: paged caches need one (and only they take one); this instance reads "
+                             + (f"pages of {self.page_size} tokens" if self.page_size else
+                                "contiguous caches (build it with page_size=... for paged ones)"))
         lens = self._host_lengths(seq_lens, max_len)
         batch = lens.size
         host_lens = lens  # what the plan covers
@@ -199,6 +238,7 @@ class DecodeAttention:
         if plan.variant == "split" and plan.tokens_per_split % spec.tile_tokens:  # tiles start at split starts
             raise RuntimeError(f"planner bug: {plan.tokens_per_split} tokens per split is not a multiple of "
                                f"the tile ({spec.tile_tokens} tokens); {describe(plan)}")
+        table = self._plan_table(block_table, host_lens, validate) if self.page_size else None
         decode_fn, _ = load_kernel(spec)
         merge_fn = None
         partial_o = partial_lse = counters = None
@@ -242,9 +282,36 @@ class DecodeAttention:
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, max_planned,
                                grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
                                tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace), span_args,
-                               empty_kv_ptr)
+                               empty_kv_ptr, table)
         self._validated_layout = None
         return plan
+
+    def _plan_table(self, block_table, lens: np.ndarray, validate: bool) -> _BlockTable:
+        """The plan's block table (see plan()): checked against the planned lengths; a host table
+        copied to the device, a device one used in place (and read back to check it, if asked)."""
+        host = None
+        if tensors.is_device_array(block_table):
+            info = tensors.describe(block_table, "block_table")
+            if info.dtype != "int32" or info.ndim != 2 or info.shape[0] != lens.size or not info.is_contiguous:
+                raise ValueError(f"block_table: expected a contiguous int32 [{lens.size}, max_pages_per_seq] array, "
+                                 f"got {info.dtype} {info.shape}")
+            _check_device("block_table", info, self.device, "this DecodeAttention runs on")
+            device_table, stride = tensors.to_cupy(block_table), info.shape[1]
+            if validate:
+                host = device_table.get()  # like device lengths, read back once here
+        else:
+            host = np.asarray(block_table)
+            stride = host.shape[1] if host.ndim == 2 else 0
+        highest = (-1, -1, -1)
+        if host is not None:
+            host, highest = paged.used_pages(host, lens, self.page_size)
+        elif int(lens.max(initial=0)) > stride * self.page_size:
+            raise ValueError(f"block_table: holds {stride} pages of {self.page_size} tokens per sequence, "
+                             f"but the plan has a sequence of {int(lens.max())}")
+        if not tensors.is_device_array(block_table):
+            device_table = self._buffer("block_table", host.size, np.int32)
+            device_table.set(host.ravel())
+        return _BlockTable(device_table, np.uint64(device_table.data.ptr), stride, highest)
 
     def _max_active_clusters(self, cluster: int) -> int | None:
         """Clusters of ``cluster`` split CTAs resident at once on this GPU (None: unknown)."""
@@ -332,21 +399,32 @@ class DecodeAttention:
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(_data_ptr(x)) for x in arrays)
         quantized_args = _quantized_args(k, v)
 
-        plan, spec = launch.plan, launch.spec
-        cache_len = _cache_len(k)
+        plan, spec, table = launch.plan, launch.spec, launch.table
+        kv_shape = _kv_shape(k)
+        num_pages = kv_shape[0] if table else 0
+        # Tokens per sequence the cache holds: a contiguous cache's rows, or a table row's pages.
+        cache_len = table.stride * self.page_size if table else kv_shape[1]
+        table_args = (table.ptr, np.int32(table.stride), np.int32(num_pages)) if table else (np.uint64(0), np.int32(0), np.int32(0))
         maps, map_bytes = (), ()
-        if spec.kv_copy == "tma":  # K and V as [batch x cache_len][num_kv_heads x head_dim]
-            rows, bases = launch.batch * cache_len, (int(k_ptr), int(v_ptr))
+        if spec.kv_copy == "tma":
+            # The maps' rows: a contiguous cache's tokens ([batch x cache_len][num_kv_heads x head_dim]),
+            # a paged one's ([num_pages x page_size][num_kv_heads x head_dim], HND: [num_pages x
+            # num_kv_heads x page_size][head_dim]).
+            rows, cols = launch.batch * cache_len, self.num_kv_heads * self.head_dim
+            if table:
+                rows = num_pages * self.page_size * (self.num_kv_heads if self.kv_layout == "HND" else 1)
+                cols = self.head_dim if self.kv_layout == "HND" else cols
+            bases = (int(k_ptr), int(v_ptr))
             if rows == 0:  # an empty cache (every length is 0): maps of the plan's stand-in tile
                 rows, bases = spec.tile_tokens, (launch.empty_kv_ptr,) * 2
-            view = (rows, self.num_kv_heads * self.head_dim, spec.kv_elem_bytes, spec.tile_tokens)
+            view = (rows, cols, spec.kv_elem_bytes, spec.tma_box_rows)
             (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(base, *view) for base in bases)
             maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
         launch.decode_fn(
             launch.grid, (spec.threads,),
             (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
              np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
-             np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps, *quantized_args),
+             np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps, *quantized_args, *table_args),
             shared_mem=spec.smem_bytes)
         del map_bytes  # held until the launch has copied the maps
         if launch.merge_fn is not None:
@@ -376,7 +454,8 @@ class DecodeAttention:
         for name, info in named:
             if info is not None:
                 _check_device(name, info, self.device, "this DecodeAttention runs on")
-        shapes = tensors.check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info)
+        shapes = tensors.check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info,
+                                             kv_layout=self.kv_layout if self.page_size else None)
         self._check_against_plan(shapes, self._launch)
         return [info.stream for _, info in named if info is not None and info.stream is not None]
 
@@ -388,9 +467,16 @@ class DecodeAttention:
         if got != expected:
             raise ValueError(f"q/k/v: planned for (batch, num_qo_heads, num_kv_heads, head_dim, q_dtype, "
                              f"kv_dtype) = {expected}, got {got}")
-        if shapes.max_len < launch.max_len:
+        if launch.table is None and shapes.max_len < launch.max_len:
             raise ValueError(f"k: holds {shapes.max_len} tokens (k.shape[1]) but the plan has a sequence of "
                              f"{launch.max_len}")
+        if launch.table is not None:
+            if shapes.page_size != self.page_size:
+                raise ValueError(f"k: pages of {shapes.page_size} tokens, but this instance reads pages of "
+                                 f"{self.page_size} ({self.kv_layout})")
+            if shapes.num_pages == 0 and launch.max_len > 0:
+                raise ValueError(f"k: a cache of no pages, but the plan has a sequence of {launch.max_len}")
+            paged.check_pages_exist(launch.table.highest, shapes.num_pages)
 
 
 # ---- one-shot API ------------------------------------------------------------------------------
@@ -401,11 +487,14 @@ _MAX_INSTANCES = 16
 _instances_lock = threading.Lock()
 
 
-def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, return_lse: bool = False,
-           stream=None):
+def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", validate: bool = True,
+           sm_scale: float | None = None, out=None, return_lse: bool = False, stream=None):
     """Decode attention of ``q`` [B, Hq, D] over ``k``, ``v`` [B, L_max, Hkv, D].
 
     ``seq_lens``: per-sequence lengths (host ints or a device int32 array; None = all L_max).
+    Paged caches: ``k``, ``v`` ``[num_pages, page_size, Hkv, D]`` (``kv_layout`` 'NHD') or
+    ``[num_pages, Hkv, page_size, D]`` ('HND'), ``block_table`` int32 ``[B, max_pages_per_seq]`` (host
+    or device) and ``seq_lens`` required; ``validate`` checks the table (see `DecodeAttention.plan`).
     Returns ``out`` [B, Hq, D] in q's dtype and kind (CuPy or torch), and with ``return_lse`` also
     the natural-log log-sum-exp [B, Hq] in float32. Plans on every call (reading device lengths
     back); for the hot loop of a server use `DecodeAttention` and call ``run`` per layer.
@@ -413,7 +502,12 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
     qi = tensors.describe(q, "q", bf16_from_uint16=True)
     ki = tensors.describe_kv(k, "k")
     vi = tensors.describe_kv(v, "v")
-    shapes = tensors.check_decode_inputs(qi, ki, vi)
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
+    paging = block_table is not None
+    shapes = tensors.check_decode_inputs(qi, ki, vi, kv_layout=kv_layout if paging else None)
+    if paging and seq_lens is None:
+        raise ValueError("seq_lens: a paged cache needs the lengths (its pages do not say them)")
     sm_scale = _checked_sm_scale(sm_scale)
     import cupy
 
@@ -429,22 +523,23 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
             # must be ready there.
             with streams.use_stream(launch_stream):
                 seq_lens = _read_back_lengths(seq_lens, shapes.batch, qi.device, "q is on")
-        seq_lens = tensors.check_seq_lens(seq_lens, shapes.batch, shapes.max_len)
+        seq_lens = tensors.check_seq_lens(seq_lens, shapes.batch, None if paging else shapes.max_len)
         if shapes.batch == 0:  # nothing to attend: the empty results, checked like any others
-            return _empty_results(q, qi, ki, vi, out, return_lse)
+            return _empty_results(q, qi, ki, vi, out, return_lse, kv_layout if paging else None)
         # One instance (so one workspace) per device and stream: kernels that may overlap on the
         # GPU never share partials, counters or lengths; calls on one stream run in order, and
         # the lock keeps each call's plan and run together on the host.
         # The per-thread default stream has one handle in every thread, but is a stream per thread.
         thread = threading.get_ident() if launch_stream == streams.PER_THREAD_DEFAULT else None
+        page_size = shapes.page_size if paging else None
         key = (device, launch_stream, thread, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
-               shapes.q_dtype, shapes.kv_dtype, sm_scale)
+               shapes.q_dtype, shapes.kv_dtype, sm_scale, page_size, kv_layout if paging else "NHD")
         with _instances_lock:
             attn = _instances.get(key)
             if attn is None:
                 attn = DecodeAttention(shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
                                        q_dtype=shapes.q_dtype, kv_dtype=shapes.kv_dtype, sm_scale=sm_scale,
-                                       device=device)
+                                       device=device, page_size=page_size, kv_layout=key[-1])
                 _instances[key] = attn
                 while len(_instances) > _MAX_INSTANCES:
                     # Its kernels may still run: its workspace goes back to CuPy's pool, which hands
@@ -452,7 +547,7 @@ def decode(q, k, v, seq_lens=None, *, sm_scale: float | None = None, out=None, r
                     # here), so after those kernels.
                     _instances.popitem(last=False)
             _instances.move_to_end(key)
-            attn.plan(seq_lens, stream=launch_stream)
+            attn.plan(seq_lens, block_table=block_table, validate=validate, stream=launch_stream)
             return attn.run(q, k, v, out=out, return_lse=return_lse, stream=launch_stream)
 
 
@@ -489,11 +584,11 @@ def _read_back_lengths(seq_lens, batch: int | None, device: int | None, owner: s
     return tensors.to_cupy(seq_lens).get()
 
 
-def _empty_results(q, qi, ki, vi, out, return_lse):
+def _empty_results(q, qi, ki, vi, out, return_lse, kv_layout):
     """decode() of an empty batch: out (given or new) and lse of batch 0, validated as usual."""
     if out is None:
         out = _new_output(q)
-    tensors.check_decode_inputs(qi, ki, vi, out=tensors.describe(out, "out", bf16_from_uint16=True))
+    tensors.check_decode_inputs(qi, ki, vi, out=tensors.describe(out, "out", bf16_from_uint16=True), kv_layout=kv_layout)
     return (out, _new_output(q, lse=True)) if return_lse else out
 
 
@@ -513,12 +608,12 @@ def _layout(x):
     return None
 
 
-def _cache_len(k) -> int:
-    """Tokens the cache holds per sequence (k.shape[1]), for arrays without a .shape attribute too."""
-    if isinstance(k, QuantizedKV):  # its values' rows
+def _kv_shape(k) -> tuple:
+    """k's shape (a quantized cache's values'), for arrays without a .shape attribute too."""
+    if isinstance(k, QuantizedKV):
         k = k.values
     shape = getattr(k, "shape", None)
-    return int(shape[1]) if shape is not None else tensors.describe(k, "k").shape[1]
+    return tuple(int(n) for n in (shape if shape is not None else tensors.describe(k, "k").shape))
 
 
 def _data_ptr(x) -> int:

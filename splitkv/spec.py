@@ -50,6 +50,15 @@ CLUSTERS = tuple(range(1, 17))
 KV_COPIES = ("cp_async", "bulk", "tma")
 #: Bytes of a tensor-map box row: the span of the copy engine's 128-byte swizzle.
 TMA_BOX_BYTES = 128
+#: Rows over which the 128-byte swizzle repeats: a tensor-map box of a paged cache (one page, when
+#: pages are shorter than a tile) must hold a whole number of them.
+TMA_SWIZZLE_ROWS = 8
+#: Page sizes of paged K/V caches (tokens per page): powers of two from 1 to 256. 0 in a KernelSpec
+#: is the contiguous layout [batch, max_len, Hkv, D].
+PAGE_SIZES = tuple(1 << i for i in range(9))
+#: Axis orders of a page: tokens then K/V heads (NHD: [num_pages, page_size, Hkv, D]), or K/V heads
+#: then tokens (HND: [num_pages, Hkv, page_size, D]).
+KV_LAYOUTS = ("NHD", "HND")
 
 
 def rows_fit_tma_boxes(head_dim: int, kv_dtype: str) -> bool:
@@ -157,6 +166,9 @@ class KernelSpec:
     CTA serves ``warps`` consecutive K/V heads of one sequence and its warps have nothing to
     combine. The planner takes it per plan (``plan.wants_packed_heads``, ``plan.pack_heads``);
     ``DecodeAttention.plan(warp_heads=...)`` overrides.
+    ``page_size`` (0: contiguous caches ``[batch, max_len, Hkv, D]``): K/V live in pages of that
+    many tokens, ``kv_layout`` NHD ``[num_pages, page_size, Hkv, D]`` or HND ``[num_pages, Hkv,
+    page_size, D]``, found through a block table (see `splitkv.paged`).
     """
 
     arch: str = "sm_90"
@@ -176,10 +188,13 @@ class KernelSpec:
     mma_m: str = "heads"
     span_rows: bool = False
     warp_heads: bool = False
+    page_size: int = 0
+    kv_layout: str = "NHD"
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
-        _normalise_ints(self, ("head_dim", "group_size", "chunk_size", "warps", "tile_tokens", "stages", "cluster"))
+        _normalise_ints(self, ("head_dim", "group_size", "chunk_size", "warps", "tile_tokens", "stages", "cluster",
+                               "page_size"))
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         if not 1 <= self.group_size <= MAX_GROUP:
             raise ValueError(f"group_size: expected an int in 1..{MAX_GROUP}, got {self.group_size!r}")
@@ -236,12 +251,41 @@ class KernelSpec:
                              "steal_tiles=0 and kv_copy='cp_async'")
         if self.warp_heads and self.variant != "dense":
             raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; use variant='dense'")
+        self._check_paging()
         limit = ARCHS[arch_number(self.arch)].smem_per_cta
         if self.smem_bytes + self.static_smem_bytes > limit:
             raise SharedMemoryError(
                 f"CTA shape needs {self.smem_bytes} bytes of shared memory (warps={self.warps} x "
                 f"stages={self.stages} x tile_tokens={self.tile_tokens} x rows of head_dim={self.head_dim} "
                 f"{self.kv_dtype}); {self.arch} allows {limit}")
+
+    def _check_paging(self) -> None:
+        if self.page_size not in (0, *PAGE_SIZES):
+            raise ValueError(f"page_size: expected 0 (contiguous) or a power of two from 1 to {PAGE_SIZES[-1]}, "
+                             f"got {self.page_size!r}")
+        _check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
+        if not self.page_size:
+            if self.kv_layout != "NHD":
+                raise ValueError("kv_layout: contiguous caches are [batch, max_len, Hkv, D]; 'HND' needs a page_size")
+            return
+        if self.span_rows or self.steal_tiles:
+            raise ValueError("page_size: paged caches are read by CTAs of one row and static tiles "
+                             "(span_rows=False, steal_tiles=0)")
+        if self.kv_copy == "bulk":
+            raise ValueError("kv_copy: paged caches are copied with 'cp_async' or 'tma'")
+        if self.kv_copy == "tma" and self.page_size < TMA_SWIZZLE_ROWS:
+            raise ValueError(f"kv_copy: 'tma' boxes of a paged cache hold whole pages of at least "
+                             f"{TMA_SWIZZLE_ROWS} tokens (the swizzle's period); page_size {self.page_size} "
+                             f"needs kv_copy='cp_async'")
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    @property
+    def tma_box_rows(self) -> int:
+        """kv_copy='tma': token rows per tensor-map box (a tile, or a page when pages are shorter)."""
+        return min(self.tile_tokens, self.page_size) if self.paged else self.tile_tokens
 
     # ---- derived quantities -------------------------------------------------------------------
     @property
@@ -351,7 +395,8 @@ class KernelSpec:
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' or '-tma'
         appended when K/V arrive through bulk or tensor copies, '-st4' when warps steal tiles 4 at a time, '-mt' when
-        tokens fill the MMA rows, '-span' when CTAs span rows, '-wh' when each warp serves its own K/V head)."""
+        tokens fill the MMA rows, '-span' when CTAs span rows, '-wh' when each warp serves its own K/V head,
+        '-p16' for pages of 16 tokens, '-p16hnd' in the HND layout)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
@@ -360,7 +405,8 @@ class KernelSpec:
                 + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}")
                 + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
                 + ("-mt" if self.mma_m == "tokens" else "") + ("-span" if self.span_rows else "")
-                + ("-wh" if self.warp_heads else ""))
+                + ("-wh" if self.warp_heads else "")
+                + (f"-p{self.page_size}" + ("hnd" if self.kv_layout == "HND" else "") if self.paged else ""))
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)

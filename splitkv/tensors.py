@@ -298,6 +298,13 @@ class DecodeShapes:
     group_size: int
     q_dtype: str
     kv_dtype: str
+    num_pages: int = 0  # paged caches: pages of page_size tokens (max_len is then 0: the table says)
+    page_size: int = 0
+
+
+#: The dimensions of a paged cache per layout, for messages.
+PAGED_SHAPES = {"NHD": "[num_pages, page_size, num_kv_heads, head_dim]",
+                "HND": "[num_pages, num_kv_heads, page_size, head_dim]"}
 
 
 @dataclass(frozen=True)
@@ -377,8 +384,11 @@ def describe_scale(x: Any, name: str, num_kv_heads: int) -> TensorInfo:
 
 
 def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
-                        out: TensorInfo | None = None, lse: TensorInfo | None = None) -> DecodeShapes:
+                        out: TensorInfo | None = None, lse: TensorInfo | None = None,
+                        kv_layout: str | None = None) -> DecodeShapes:
     """Validate contiguous q [B, Hq, D], k and v [B, L_max, Hkv, D], out [B, Hq, D], lse [B, Hq].
+    With ``kv_layout`` ('NHD' or 'HND'), k and v are paged caches of that layout (see
+    `splitkv.paged`), of any number of pages.
 
     Raises TypeError for a wrong element type or argument kind and ValueError for a wrong rank,
     shape, stride, alignment, head_dim, group size or device; every message names the argument.
@@ -388,14 +398,22 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
             raise TypeError(f"{name}: expected a TensorInfo (from describe), got {type(info).__name__}")
 
     _check_rank(q, "q", 3, "[batch, num_qo_heads, head_dim]")
-    _check_rank(k, "k", 4, "[batch, max_len, num_kv_heads, head_dim]")
+    _check_rank(k, "k", 4, PAGED_SHAPES[kv_layout] if kv_layout else "[batch, max_len, num_kv_heads, head_dim]")
     _check_dtype(q, "q", spec.Q_DTYPES)
     _check_dtype(k, "k", spec.KV_DTYPES)
     batch, num_qo_heads, head_dim = q.shape
-    _, max_len, num_kv_heads, _ = k.shape
+    num_pages = page_size = 0
+    if kv_layout:
+        from .paged import cache_geometry
+
+        num_pages, page_size, num_kv_heads, _ = cache_geometry(k.shape, kv_layout)
+        max_len = 0
+    else:
+        _, max_len, num_kv_heads, _ = k.shape
 
     _check_head_dim(head_dim)
-    _check_dim(k, "k", 0, batch, "batch", "q.shape[0]")
+    if not kv_layout:
+        _check_dim(k, "k", 0, batch, "batch", "q.shape[0]")
     _check_dim(k, "k", 3, head_dim, "head_dim", "q.shape[2]")
     group_size = _group_size(num_qo_heads, num_kv_heads)
     _check_v(v, k)
@@ -409,7 +427,7 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
         _check_lse(lse, q)
     return DecodeShapes(batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, max_len=max_len, group_size=group_size,
-                        q_dtype=q.dtype, kv_dtype=k.dtype)
+                        q_dtype=q.dtype, kv_dtype=k.dtype, num_pages=num_pages, page_size=page_size)
 
 
 def _check_rank(info: TensorInfo, name: str, rank: int, layout: str) -> None:

@@ -110,9 +110,9 @@ def run_paged(head_dim, group, lens, page_size, layout, *, kv_dtype="bf16", vari
     check_close(out, lse, ref_out, ref_lse, lens, "bf16", label)
 
     # The contiguous program of the same CTA shape and copies on the same data, with the same plan.
-    contiguous_spec = launched.replace(page_size=0, kv_layout="NHD", warp_heads=False)
-    flat = DecodeAttention(num_qo, num_kv, head_dim, kv_dtype=kv_dtype, spec=contiguous_spec.replace(variant="split"),
-                           dense_spec=contiguous_spec.as_dense() if launched.variant == "dense" else None)
+    flat = DecodeAttention(num_qo, num_kv, head_dim, kv_dtype=kv_dtype,
+                           spec=attn.split_spec.replace(page_size=0, kv_layout="NHD"),
+                           dense_spec=attn.dense_spec.replace(page_size=0, kv_layout="NHD"))
     if variant is None:  # the planner's choice for both
         flat_plan = flat.plan(lens)
     else:

@@ -77,12 +77,15 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     return shape(*candidates[-1])  # raises, naming the shared memory even the smallest ring needs
 
 
-def takes_whole_row_clusters(kv_dtype: str) -> bool:
-    """Whether the planner may put each row's splits in one cluster on about half the SMs
-    (`plan.WHOLE_ROW_SHARE`). Half the SMs stream as fast as all of them where the stream is
-    bandwidth-bound; NVFP4's decode is not (H200, 32/8 64k: 46.2 µs on 128 CTAs against 63.4 on
-    64; 16k: 20.3 against 22.9), so its rows use every SM."""
-    return kv_dtype != "nvfp4"
+def takes_whole_row_clusters(spec: KernelSpec) -> bool:
+    """Whether the planner may put each row's splits of ``spec``'s split program in one cluster on
+    about half the SMs (`plan.WHOLE_ROW_SHARE`). Half the SMs stream as fast as all of them where
+    each SM streams at full speed; not so for NVFP4's decode, bound by instruction issue (H200,
+    32/8 64k: 46.2 µs on 128 CTAs against 63.4 on 64; 16k: 20.3 against 22.9), nor for paged
+    caches of pages shorter than a tile, fetched a page at a time (H200, 32/8 64k: pages of 16
+    tokens 81.8 µs on 128 CTAs against 89.3 on 64, pages of 1 83.8 against 109.0; pages of 64, a
+    tile or more: 77.1 on 64 CTAs against 79.1 on 128)."""
+    return spec.kv_dtype != "nvfp4" and not (spec.paged and spec.page_size < spec.tile_tokens)
 
 
 def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:

@@ -133,7 +133,7 @@ class DecodeAttention:
             self.dense_spec = default_spec(self.arch, *layout, "dense", **paging)
         else:
             self.dense_spec = base.replace(arch=self.arch, **paging).as_dense()
-        self._whole_row_clusters = takes_whole_row_clusters(kv_dtype)
+        self._whole_row_clusters = takes_whole_row_clusters(self.split_spec)
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None

@@ -452,3 +452,19 @@ def test_other_helper_headers_compile_apart_from_the_packages():
     assert theirs.source_path != ours.source_path
     assert (theirs.source_path.parent / "merge.cuh").read_text().endswith("// an older copy\n")
     assert compile_cubin(spec, headers=other) is theirs  # cached by its headers
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("page_size, layout", [(1, "NHD"), (8, "HND"), (16, "NHD"), (256, "HND")])
+def test_paged_kernels_compile_for_sm90_without_spills(kv_dtype, page_size, layout):
+    for variant in ("dense", "split"):
+        spec = default_spec("sm_90", 128, 4, kv_dtype=kv_dtype, variant=variant, page_size=page_size,
+                            kv_layout=layout)
+        result = compile_cubin(spec, use_disk_cache=False)
+        assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
+        assert f"constexpr int PAGE = {page_size};" in result.source
+        assert f"constexpr bool HND = {'true' if layout == 'HND' else 'false'};" in result.source
+        # A tile of several pages comes as a box per page (tensor maps) or a page per row (per lane).
+        if spec.kv_copy == "tma":
+            assert f"constexpr int BOX_ROWS = {min(page_size, spec.tile_tokens)};" in result.source

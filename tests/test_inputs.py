@@ -547,3 +547,18 @@ def test_quantized_parts_must_match_the_format():
         describe_kv(QuantizedKV("nvfp4", fp8.values, None, fp8.scale), "k")
     with pytest.raises(ValueError, match="unknown quantized format"):
         describe_kv(QuantizedKV("int4", fp8.values, None, fp8.scale), "k")
+
+
+def test_paged_caches_take_any_page_count_and_their_layout():
+    q = info((B, HQ, D))
+    nhd, hnd = info((7, 16, HKV, D)), info((7, HKV, 16, D))
+    shapes = check_decode_inputs(q, nhd, nhd, kv_layout="NHD")
+    assert (shapes.num_pages, shapes.page_size, shapes.num_kv_heads, shapes.max_len) == (7, 16, HKV, 0)
+    shapes = check_decode_inputs(q, hnd, hnd, kv_layout="HND")
+    assert (shapes.num_pages, shapes.page_size, shapes.num_kv_heads) == (7, 16, HKV)
+    with pytest.raises(ValueError, match="page size 12"):
+        check_decode_inputs(q, info((7, 12, HKV, D)), info((7, 12, HKV, D)), kv_layout="NHD")
+    with pytest.raises(ValueError, match=r"\[num_pages, num_kv_heads, page_size, head_dim\]"):
+        check_decode_inputs(q, info((7, 16, D)), info((7, 16, D)), kv_layout="HND")
+    with pytest.raises(ValueError, match="v: expected the shape of k"):
+        check_decode_inputs(q, nhd, info((8, 16, HKV, D)), kv_layout="NHD")

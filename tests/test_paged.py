@@ -72,3 +72,18 @@ def test_paged_reference_equals_the_contiguous_one(seq_lens, page_size, layout, 
     ref_out, ref_lse = attention_reference(q, k, v, seq_lens)
     np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_used_pages_finds_the_highest_page_read_and_checks_it_later():
+    from splitkv.paged import check_pages_exist, used_pages
+
+    table = np.array([[4, 9, 1 << 40], [7, -1, -1]])  # entries past a length are never read
+    as_int32, highest = used_pages(table, [20, 3], 16)
+    assert as_int32.dtype == np.int32 and highest == (9, 0, 1)
+    check_pages_exist(highest, 10)
+    with pytest.raises(ValueError, match="sequence 0's page 1 is 9, outside the cache's 9 pages"):
+        check_pages_exist(highest, 9)
+    assert used_pages(table, [0, 0], 16)[1] == (-1, -1, -1)
+    check_pages_exist((-1, -1, -1), 0)
+    with pytest.raises(ValueError, match="past the int32 page indices"):
+        used_pages(table, [40, 3], 16)

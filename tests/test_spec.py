@@ -206,3 +206,41 @@ def test_tokens_on_the_mma_rows_need_groups_up_to_8():
     assert KernelSpec(group_size=8, mma_m="tokens").name.endswith("-mt")
     with pytest.raises(ValueError, match="mma_m"):
         KernelSpec(group_size=16, mma_m="tokens")
+
+
+def test_paged_caches_are_named_and_checked():
+    assert KernelSpec(page_size=16).name.endswith("-p16")
+    assert KernelSpec(page_size=16, kv_layout="HND").name.endswith("-p16hnd")
+    assert KernelSpec(page_size=16).tma_box_rows == 16 and KernelSpec(page_size=64).tma_box_rows == 32
+    assert KernelSpec().tma_box_rows == 32 and not KernelSpec().paged
+    for bad in (3, 512, -16):
+        with pytest.raises(ValueError, match="page_size"):
+            KernelSpec(page_size=bad)
+    with pytest.raises(ValueError, match="kv_layout"):
+        KernelSpec(kv_layout="HND")  # contiguous caches have one layout
+    with pytest.raises(ValueError, match="kv_layout"):
+        KernelSpec(page_size=16, kv_layout="NDH")
+    for bad in ({"span_rows": True, "cluster": 1}, {"steal_tiles": 1, "cluster": 1}):
+        with pytest.raises(ValueError, match="page_size"):
+            KernelSpec(page_size=16, **bad)
+    with pytest.raises(ValueError, match="kv_copy"):
+        KernelSpec(page_size=16, kv_copy="bulk")
+    # A tensor-map box is a whole number of the swizzle's 8-row periods.
+    KernelSpec(page_size=8, kv_copy="tma")
+    with pytest.raises(ValueError, match="page_size 4 needs kv_copy='cp_async'"):
+        KernelSpec(page_size=4, kv_copy="tma")
+
+
+def test_default_paged_shapes_copy_small_pages_per_lane():
+    assert default_spec("sm_90", 128, 4, page_size=16).kv_copy == "tma"
+    assert default_spec("sm_90", 128, 4, page_size=4).kv_copy == "cp_async"
+    assert default_spec("sm_90", 128, 4, page_size=1, kv_layout="HND").kv_layout == "HND"
+
+
+def test_whole_row_clusters_are_left_out_for_pages_shorter_than_a_tile():
+    from splitkv.heuristics import takes_whole_row_clusters
+
+    assert takes_whole_row_clusters(default_spec("sm_90", 128, 4))
+    assert takes_whole_row_clusters(default_spec("sm_90", 128, 4, page_size=64))
+    assert not takes_whole_row_clusters(default_spec("sm_90", 128, 4, page_size=16))
+    assert not takes_whole_row_clusters(default_spec("sm_90", 128, 4, kv_dtype="nvfp4"))

@@ -27,6 +27,7 @@ from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, pl
                    wants_packed_heads, whole_row_ctas)
 from .spec import KV_LAYOUTS, PAGE_SIZES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
+from .work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS, UnitPlan, choose_kv_splits
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -47,6 +48,17 @@ class _BlockTable:
 
 
 @dataclasses.dataclass(frozen=True)
+class _UnitTables:
+    """A units plan's tables on the device (`UnitPlan.to_buffer`, kept alive here), the unit rows
+    the buffer holds (the decode grid) and the merge program's grid (0: not launched)."""
+
+    array: object
+    ptr: np.uint64
+    max_units: int
+    merge_blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
 class _Launch:
     """Everything run() needs, fixed at plan time (pointers already in kernel-argument form)."""
 
@@ -64,6 +76,7 @@ class _Launch:
     span_args: tuple = ()  # span_rows programs: (rows, tiles per row, partial slots per row) as int32
     empty_kv_ptr: int = 0  # tma with every length 0: one tile of memory for maps of an empty cache
     table: _BlockTable | None = None  # paged caches: the block table the plan reads through
+    units: _UnitTables | None = None  # units plans: the work-unit tables on the device
 
 
 class DecodeAttention:
@@ -146,7 +159,7 @@ class DecodeAttention:
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
     def plan(self, seq_lens, max_len: int | None = None, *, block_table=None, validate: bool = True,
              variant: str | None = None, num_splits: int | None = None, warp_heads: bool | None = None,
-             stream=None) -> SplitPlan:
+             max_units: int | None = None, stream=None) -> SplitPlan | UnitPlan:
         """Choose dense or split for these lengths, compile what that needs, size the workspace.
 
         ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
@@ -156,6 +169,12 @@ class DecodeAttention:
         ``warp_heads`` True or False overrides whether a dense plan's warps get a K/V head each
         (None: the planner's choice, ``plan.wants_packed_heads``, which applies to a dense plan
         asked for through ``variant`` too).
+        ``variant='units'``: the work-unit planner (`work_units.choose_kv_splits`) and the units
+        program, one CTA per unit in table order (longest first), split rows merged by the merge
+        program; returns the `UnitPlan`. ``max_units`` fixes the tables' sizes (at least
+        `work_units.max_units` of the batch's rows, for any lengths): a later plan() of the same
+        batch and sizes then rewrites the tables in place, and a CUDA graph captured over run()
+        replays with them (the merge program then always runs, doing nothing when no row is split).
         ``block_table`` (paged caches only, and required there): int32 ``[B, max_pages_per_seq]``, host
         or device; a device table is read in place, so entries rewritten there reach graph
         replays. ``validate`` (default True): the table is read back and checked (every page a
@@ -170,7 +189,7 @@ class DecodeAttention:
         another stream than the one before waits for it; the host never waits).
         """
         with self._in_call_order(seq_lens if tensors.is_device_array(seq_lens) else None, stream):
-            return self._plan(seq_lens, max_len, variant, num_splits, warp_heads, block_table, validate)
+            return self._plan(seq_lens, max_len, variant, num_splits, warp_heads, block_table, validate, max_units)
 
     @contextlib.contextmanager
     def _in_call_order(self, like, stream):
@@ -184,7 +203,7 @@ class DecodeAttention:
                 yield ptr
                 self._order.leave(ptr, capturing)
 
-    def _plan(self, seq_lens, max_len, variant, num_splits, warp_heads, block_table, validate) -> SplitPlan:
+    def _plan(self, seq_lens, max_len, variant, num_splits, warp_heads, block_table, validate, max_units):
         from .codegen.load import load_kernel
 
         if warp_heads is not None and not isinstance(warp_heads, bool):
@@ -203,6 +222,12 @@ class DecodeAttention:
             # plan for the longest one allowed. Host lengths are copied here and cannot grow.
             host_lens = lens.copy()
             host_lens[int(np.argmax(host_lens))] = int(max_len)
+        if variant == "units":
+            if num_splits is not None or warp_heads:
+                raise ValueError("variant: 'units' plans take neither num_splits nor warp_heads")
+            return self._plan_units(seq_lens, lens, host_lens, block_table, validate, max_units)
+        if max_units is not None:
+            raise ValueError("max_units: sizes the tables of variant='units' plans only")
         # The split program's registers bound how many CTAs an SM holds, which the planner needs.
         _, split_compiled = load_kernel(self.split_spec)
         ctas_per_sm = resident_ctas_per_sm(self.split_spec, split_compiled.registers)
@@ -258,11 +283,7 @@ class DecodeAttention:
                 counters = self._buffer("counters", num_counters, np.int32, zero=True)
             if not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place
                 merge_fn, _ = load_kernel(self.merge_spec)
-        if tensors.is_device_array(seq_lens):  # the caller's array: lengths it rewrites in place reach graph replays
-            device_lens = tensors.to_cupy(seq_lens)
-        else:
-            device_lens = self._buffer("seq_lens", batch, np.int32)
-            device_lens.set(lens)
+        device_lens = self._device_lens(seq_lens, lens)
         workspace = (partial_o, partial_lse, counters)
         grid, span_args = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch), ()
         if not plan.row_tokens and max(grid[1], grid[2]) > _MAX_GRID_YZ:
@@ -283,6 +304,60 @@ class DecodeAttention:
                                grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
                                tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace), span_args,
                                empty_kv_ptr, table)
+        self._validated_layout = None
+        return plan
+
+    def _device_lens(self, seq_lens, lens: np.ndarray):
+        """The lengths the programs read: the caller's device array (lengths it rewrites in place
+        reach graph replays), or the plan's copy of host lengths."""
+        if tensors.is_device_array(seq_lens):
+            return tensors.to_cupy(seq_lens)
+        device_lens = self._buffer("seq_lens", lens.size, np.int32)
+        device_lens.set(lens)
+        return device_lens
+
+    def _plan_units(self, seq_lens, lens, host_lens, block_table, validate, max_units) -> UnitPlan:
+        """plan(variant='units'): the unit tables for ``host_lens``, on this GPU's resident CTAs."""
+        from .codegen.load import load_kernel
+
+        spec = self.split_spec.as_units()
+        decode_fn, compiled = load_kernel(spec)
+        slots = self.num_sms * resident_ctas_per_sm(spec, compiled.registers)
+        # Units start on blocks: whole chunks (so a unit's tiles fall evenly on the warps), whole pages.
+        block_size = max(spec.chunk_size, self.page_size)
+        plan = choose_kv_splits(host_lens, self.num_kv_heads, block_size=block_size, slots=slots)
+        rows = lens.size * self.num_kv_heads
+        static = max_units is not None
+        if static:
+            if isinstance(max_units, bool) or not isinstance(max_units, numbers.Integral) or max_units < len(plan.units):
+                raise ValueError(f"max_units: expected an int of at least this plan's {len(plan.units)} units "
+                                 f"(work_units.max_units gives a bound for any lengths), got {max_units!r}")
+            max_units = int(max_units)
+        else:
+            max_units = len(plan.units)
+        max_merges = rows if static else max(len(plan.merges), 1)
+        tables = self._buffer("unit_tables", max_units * len(UNIT_FIELDS) + max_merges * len(MERGE_FIELDS)
+                              + len(BUFFER_HEADER), np.int32)
+        tables.set(plan.to_buffer(max_units, max_merges))
+        # Every unit writes at most one partial: a static plan holds room for as many as it has units.
+        slots_held = max_units if static else plan.num_partials
+        width = self.group_size * self.head_dim
+        partial_o = self._buffer("partial_o", max(slots_held, 1) * width, np.float32)
+        partial_lse = self._buffer("partial_lse", max(slots_held, 1) * self.group_size, np.float32)
+        merge_fn, merge_blocks = None, 0
+        if plan.split or static:
+            merge_spec = dataclasses.replace(self.merge_spec, tables=True)
+            merge_fn, _ = load_kernel(merge_spec)
+            warps = merge_spec.threads // 32
+            merge_blocks = -(-max_merges * self.group_size // warps)
+        table = self._plan_table(block_table, host_lens, validate) if self.page_size else None
+        device_lens = self._device_lens(seq_lens, lens)
+        workspace = (partial_o, partial_lse, None)
+        units = _UnitTables(tables, np.uint64(tables.data.ptr), max_units, merge_blocks)
+        self._launch = _Launch(plan, spec, decode_fn, merge_fn, lens.size, int(host_lens.max(initial=0)),
+                               (max_units, 1, 1), device_lens, workspace, np.uint64(device_lens.data.ptr),
+                               tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace), (),
+                               0, table, units)
         self._validated_layout = None
         return plan
 
@@ -329,6 +404,9 @@ class DecodeAttention:
         if self._launch is None:
             return "not planned"
         p = self._launch.plan
+        if isinstance(p, UnitPlan):
+            return (f"units: {len(p.units)} units ({p.num_partials} partials of {len(p.merges)} split rows) of "
+                    f"{p.block_size}-token blocks on {p.slots} slots of {self.num_sms} SMs; {self._launch.spec.name}")
         if p.row_tokens:
             return f"{describe(p)} on {self.num_sms} SMs; {self._launch.spec.name}"
         return (f"{p.variant}: {p.num_splits} split(s) of {p.tokens_per_split} tokens, {p.num_ctas} CTAs "
@@ -405,6 +483,8 @@ class DecodeAttention:
         # Tokens per sequence the cache holds: a contiguous cache's rows, or a table row's pages.
         cache_len = table.stride * self.page_size if table else kv_shape[1]
         table_args = (table.ptr, np.int32(table.stride), np.int32(num_pages)) if table else (np.uint64(0), np.int32(0), np.int32(0))
+        units = launch.units
+        tokens_per_split = 0 if units else plan.tokens_per_split
         maps, map_bytes = (), ()
         if spec.kv_copy == "tma":
             # The maps' rows: a contiguous cache's tokens ([batch x cache_len][num_kv_heads x head_dim]),
@@ -423,11 +503,16 @@ class DecodeAttention:
         launch.decode_fn(
             launch.grid, (spec.threads,),
             (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
-             np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(plan.tokens_per_split),
-             np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps, *quantized_args, *table_args),
+             np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(tokens_per_split),
+             np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps, *quantized_args, *table_args,
+             units.ptr if units else np.uint64(0)),
             shared_mem=spec.smem_bytes)
         del map_bytes  # held until the launch has copied the maps
-        if launch.merge_fn is not None:
+        if launch.merge_fn is not None and units:
+            launch.merge_fn((units.merge_blocks,), (_MERGE_THREADS,),
+                            (*launch.workspace_ptrs[:2], units.ptr, out_ptr, lse_ptr, np.int32(self.group_size),
+                             np.int32(units.max_units)))
+        elif launch.merge_fn is not None:
             rows = launch.batch * self.num_qo_heads
             warps = _MERGE_THREADS // 32
             launch.merge_fn(

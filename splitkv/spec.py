@@ -36,7 +36,12 @@ def kv_token_bytes(head_dim: int, kv_dtype: str) -> int:
 #: dense: one CTA per (sequence, K/V head) writes the final output.
 #: split: several CTAs per (sequence, K/V head) write fp32 partials and their log-sum-exp,
 #: and an exact merge combines them (fused into the last CTA of a row, or a separate program).
-VARIANTS = ("dense", "split")
+#: units: one CTA per row of a work-unit table (`splitkv.work_units`), in table order: a unit that
+#: covers its whole row writes the output as the dense program does, a piece of a split row its
+#: fp32 partial into its slot, which the merge program (MergeSpec(tables=True)) combines.
+VARIANTS = ("dense", "split", "units")
+#: The split variants' plans (`plan.SplitPlan`); the units variant's are `work_units.UnitPlan`s.
+SPLIT_PLAN_VARIANTS = ("dense", "split")
 WARPS = (1, 2, 4, 8)
 TILE_TOKENS = (16, 32, 64)
 STAGES = (2, 3, 4)
@@ -212,8 +217,11 @@ class KernelSpec:
         _check_choice("cluster", self.cluster, CLUSTERS)
         if self.cluster > 1 and arch_number(self.arch) < 90:
             raise ValueError(f"cluster: thread-block clusters need sm_90 or newer, got arch {self.arch}")
-        if self.variant == "dense" and self.cluster != 1:
-            raise ValueError("cluster: the dense program has no splits to merge; use cluster=1")
+        if self.variant != "split" and self.cluster != 1:
+            raise ValueError(f"cluster: the {self.variant} program merges in no cluster; use cluster=1")
+        if self.variant == "units" and self.fused_merge:
+            raise ValueError("fused_merge: the units program leaves split rows to the merge program; "
+                             "use fused_merge=False")
         _check_choice("kv_copy", self.kv_copy, KV_COPIES)
         if self.kv_copy in ("bulk", "tma") and arch_number(self.arch) < 90:
             raise ValueError(f"kv_copy: '{self.kv_copy}' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
@@ -416,6 +424,11 @@ class KernelSpec:
         CTAs spanning rows) dropped."""
         return self.replace(variant="dense", cluster=1, steal_tiles=0, span_rows=False)
 
+    def as_units(self) -> "KernelSpec":
+        """The units program of the same CTA shape (see VARIANTS)."""
+        return self.replace(variant="units", cluster=1, steal_tiles=0, span_rows=False, warp_heads=False,
+                            fused_merge=False)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -436,6 +449,7 @@ class MergeSpec:
     head_dim: int = 128
     out_dtype: str = "bf16"
     threads: int = field(default=128)
+    tables: bool = False  # walk a work-unit plan's merge table (the units program's partials)
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
@@ -445,11 +459,14 @@ class MergeSpec:
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads: expected a multiple of 32 in 32..1024 (one warp merges one row), "
                              f"got {self.threads!r}")
+        _check_bool("tables", self.tables)
 
     @property
     def name(self) -> str:
-        """'sm_90-merge-d128-bf16', with '-t256' when the CTA is not the default 128 threads."""
-        return f"{self.arch}-merge-d{self.head_dim}-{self.out_dtype}" + (f"-t{self.threads}" if self.threads != 128 else "")
+        """'sm_90-merge-d128-bf16', with '-t256' when the CTA is not the default 128 threads and
+        '-units' when it walks a merge table."""
+        return (f"{self.arch}-merge-d{self.head_dim}-{self.out_dtype}" + (f"-t{self.threads}" if self.threads != 128 else "")
+                + ("-units" if self.tables else ""))
 
 
 #: Input element types of the K/V quantizer, and the formats it writes (see `splitkv.kv_formats`).

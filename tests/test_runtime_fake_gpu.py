@@ -381,3 +381,63 @@ def test_numpy_scalars_are_accepted_where_ints_and_floats_are(fake_gpu):
     attn = runtime.DecodeAttention(8, 2, 128, sm_scale=np.float32(0.125))
     assert attn.sm_scale == 0.125
     assert attn.plan(np.array([5, 7], dtype=np.int64), max_len=np.int32(9)).variant in ("dense", "split")
+
+
+def test_paged_runs_pass_the_table_and_map_whole_pages(fake_gpu):
+    from splitkv import DecodeAttention
+
+    attn = DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16", page_size=16, kv_layout="HND")
+    table = np.array([[3, 1, 9, 9], [0, 2, -1, -1]], dtype=np.int32)  # entries past the lengths never read
+    attn.plan([40, 20], block_table=table)
+    q = _DeviceArray((2, 8, 128))
+    k, v = _DeviceArray((10, 2, 16, 128)), _DeviceArray((10, 2, 16, 128))
+    attn.run(q, k, v)
+    (launch,) = fake_gpu.launches
+    assert launch.spec.page_size == 16 and launch.spec.kv_layout == "HND" and launch.spec.kv_copy == "tma"
+    *_, table_ptr, stride, num_pages, units = launch.args
+    assert int(table_ptr) == attn._launch.table.ptr and (int(stride), int(num_pages), int(units)) == (4, 10, 0)
+    assert int(launch.args[9]) == 4 * 16  # max_len: the tokens a table row holds
+    # HND: one K/V head's tokens are the map's rows, head_dim its columns; boxes of a page.
+    assert fake_gpu.maps == [(k.__cuda_array_interface__["data"][0], 10 * 2 * 16, 128),
+                             (v.__cuda_array_interface__["data"][0], 10 * 2 * 16, 128)]
+    with pytest.raises(ValueError, match="sequence 0's page 2 is 9, outside the cache's 9 pages"):
+        attn.run(q, _DeviceArray((9, 2, 16, 128)), _DeviceArray((9, 2, 16, 128)))
+    with pytest.raises(ValueError, match="block_table: paged caches need one"):
+        attn.plan([40, 20])
+    with pytest.raises(ValueError, match="page_size"):
+        DecodeAttention(8, 2, 128, page_size=12)
+    with pytest.raises(ValueError, match="kv_layout"):
+        DecodeAttention(8, 2, 128, kv_layout="HND")  # a layout of pages
+
+
+def test_units_plans_launch_a_cta_per_unit_and_merge_split_rows(fake_gpu):
+    from splitkv import DecodeAttention
+    from splitkv.work_units import max_units
+
+    attn = DecodeAttention(32, 8, 128, q_dtype="fp16", kv_dtype="fp16")
+    plan = attn.plan([6096], variant="units")  # 8 rows on 132 x 2 slots: split
+    assert plan.split and attn._launch.spec.variant == "units"
+    q, k, v = _qkv(1, 32, 8, 128, 6096)
+    attn.run(q, k, v)
+    decode, merge = fake_gpu.launches
+    assert decode.grid == (len(plan.units), 1, 1) and int(decode.args[-1]) == attn._launch.units.ptr
+    assert merge.spec.tables and merge.grid == (attn._launch.units.merge_blocks,)
+    buffer = attn._launch.units.array.host
+    assert np.array_equal(buffer[: buffer.size], plan.to_buffer(len(plan.units), len(plan.merges)))
+
+    # Whole rows only: no merge is launched. Fixed sizes: the same grids whatever the lengths.
+    fake_gpu.launches.clear()
+    attn.plan([4096] * 64, variant="units")
+    attn.run(*_qkv(64, 32, 8, 128, 4096))
+    assert len(fake_gpu.launches) == 1
+    fake_gpu.launches.clear()
+    cap = max_units(4 * 8, plan.slots)
+    for lens in ([100, 5, 0, 7000], [7000, 7000, 7000, 7000]):
+        attn.plan(lens, variant="units", max_units=cap)
+        attn.run(*_qkv(4, 32, 8, 128, 7000))
+    grids = {(launch.spec.name, launch.grid) for launch in fake_gpu.launches}
+    assert len(grids) == 2  # one decode grid and one merge grid, for both plans
+    with pytest.raises(ValueError, match="max_units"):
+        attn.plan([7000] * 4, variant="units", max_units=1)
+    with pytest.raises(ValueError, match="num_splits nor warp_heads"):
+        attn.plan([7000] * 4, variant="units", num_splits=4)

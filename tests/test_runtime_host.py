@@ -148,10 +148,10 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
     launched = []
 
     def decode_fn(grid, block, args, shared_mem):  # reads which cache each map holds, as a launch copies them
-        # The two maps come just before the six arguments of a quantized cache and the three of a
-        # paged one (zeros here).
-        assert all(int(a) == 0 for a in args[-9:])
-        launched.append(tuple(int.from_bytes(ctypes.string_at(m.ptr, 8), "little") for m in args[-11:-9]))
+        # The two maps come just before the six arguments of a quantized cache, the three of a
+        # paged one and the units' tables (zeros here).
+        assert all(int(a) == 0 for a in args[-10:])
+        launched.append(tuple(int.from_bytes(ctypes.string_at(m.ptr, 8), "little") for m in args[-12:-10]))
 
     spec = KernelSpec(arch="sm_90", head_dim=128, group_size=4, q_dtype="fp16", kv_dtype="fp16", kv_copy="tma")
     attn = DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16", spec=spec)

@@ -13,6 +13,7 @@ import importlib.resources
 
 import jinja2
 
+from ..work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS
 from ..spec import TILE_COUNTER_STRIDE, TMA_BOX_BYTES, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
 
 #: C++ element type for each dtype name of the spec vocabulary.
@@ -58,13 +59,15 @@ def template_parameters(spec: AnySpec) -> dict:
     params = dataclasses.asdict(spec)
     params.update(name=spec.name, kernel_name=kernel_name(spec))
     if isinstance(spec, MergeSpec):
-        params["out_type"] = CUDA_TYPES[spec.out_dtype]
+        params.update(out_type=CUDA_TYPES[spec.out_dtype], unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
+                      merge_fields=len(MERGE_FIELDS))
     elif isinstance(spec, QuantizeSpec):
         params["in_type"] = CUDA_TYPES[spec.in_dtype]
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], mma_type=CUDA_TYPES[spec.mma_dtype],
                       kv_bits=spec.kv_bits, hardware_e2m1=hardware_e2m1(spec.arch), smem_pad=spec.smem_pad,
                       tma_box_bytes=TMA_BOX_BYTES, tma_box_rows=spec.tma_box_rows,
+                      unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
                       cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
                       tile_counter_stride=TILE_COUNTER_STRIDE, span_state_offset=spec.span_state_offset,
                       span_q_offset=spec.span_q_offset)

@@ -27,7 +27,8 @@ from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, pl
                    wants_packed_heads, whole_row_ctas)
 from .spec import KV_LAYOUTS, PAGE_SIZES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
-from .work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS, UnitPlan, choose_kv_splits
+from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS, UnitPlan, choose_kv_splits,
+                         predicted_makespan, split_plan_makespan)
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -234,6 +235,9 @@ class DecodeAttention:
         if variant is None:
             plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
+            unit_plan = self._units_pay(plan, host_lens, ctas_per_sm)
+            if unit_plan is not None:
+                return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
         else:
             plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
@@ -316,16 +320,32 @@ class DecodeAttention:
         device_lens.set(lens)
         return device_lens
 
-    def _plan_units(self, seq_lens, lens, host_lens, block_table, validate, max_units) -> UnitPlan:
-        """plan(variant='units'): the unit tables for ``host_lens``, on this GPU's resident CTAs."""
+    def _units_pay(self, plan: SplitPlan, host_lens, ctas_per_sm: int) -> UnitPlan | None:
+        """The work-unit plan of these lengths when the cost model predicts it `ROUTE_FACTOR` times
+        faster than the split planner's ``plan`` (user-given CTAs that span rows keep theirs)."""
+        if self.split_spec.span_rows or plan.heads_per_cta > 1:
+            return None
+        slots = self.num_sms * ctas_per_sm
+        units = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots)
+        per_split = plan.tokens_per_split if plan.variant == "split" else max(int(host_lens.max(initial=0)), 1)
+        split_cost = split_plan_makespan(host_lens, self.num_kv_heads, per_split, slots)
+        return units if split_cost > ROUTE_FACTOR * predicted_makespan(units, host_lens) else None
+
+    @property
+    def _unit_block(self) -> int:
+        """Units start on blocks: whole chunks (so a unit's tiles fall evenly on the warps), whole pages."""
+        return max(self.split_spec.chunk_size, self.page_size)
+
+    def _plan_units(self, seq_lens, lens, host_lens, block_table, validate, max_units, plan=None) -> UnitPlan:
+        """plan(variant='units'): the unit tables for ``host_lens`` (``plan``, when already made), on
+        this GPU's resident CTAs."""
         from .codegen.load import load_kernel
 
         spec = self.split_spec.as_units()
         decode_fn, compiled = load_kernel(spec)
-        slots = self.num_sms * resident_ctas_per_sm(spec, compiled.registers)
-        # Units start on blocks: whole chunks (so a unit's tiles fall evenly on the warps), whole pages.
-        block_size = max(spec.chunk_size, self.page_size)
-        plan = choose_kv_splits(host_lens, self.num_kv_heads, block_size=block_size, slots=slots)
+        if plan is None:
+            slots = self.num_sms * resident_ctas_per_sm(spec, compiled.registers)
+            plan = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots)
         rows = lens.size * self.num_kv_heads
         static = max_units is not None
         if static:

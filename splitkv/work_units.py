@@ -284,6 +284,31 @@ def unit_tokens(plan: UnitPlan, seq_lens) -> np.ndarray:
     return np.maximum(end - first, 0)
 
 
+#: The runtime's default planner takes a work-unit plan over its split plan only when the cost
+#: model predicts the units this many times faster. The model counts tokens per CTA, so it sees
+#: the split planner's whole-row clusters on half the SMs (which stream as fast as all of them) as
+#: about 2x slower than they are; and units pay more per unit and for their separate merge than it
+#: says (H200, D=128: 18.9 µs for 7 rows of 6096 tokens in 112 units, against 14.7 for 8 splits a
+#: row in whole-row clusters). What it must catch is a split plan that leaves a long row to one CTA
+#: among many short rows (64k and 63 x 512 tokens, 8 K/V heads: 2177 µs dense, 114 µs in units;
+#: predicted 11x).
+ROUTE_FACTOR = 4.0
+
+
+def split_plan_makespan(seq_lens, num_kv_heads: int, tokens_per_split: int, slots: int,
+                        costs: CostModel | None = None) -> float:
+    """The cost model's makespan of a split plan (`plan.SplitPlan`): every row cut into pieces of
+    ``tokens_per_split`` tokens (one piece per row for a dense plan: pass the longest length), one
+    CTA each, in LPT order on ``slots`` slots. Merges are left out (clusters merge in place)."""
+    costs = costs if costs is not None else CostModel()
+    row_tokens = np.repeat(_check_lens(seq_lens).astype(np.int64), _positive_int("num_kv_heads", num_kv_heads))
+    per = _positive_int("tokens_per_split", tokens_per_split)
+    pieces = np.maximum(-(-row_tokens // per), 1)
+    last = row_tokens - (pieces - 1) * per
+    full = np.full(int((pieces - 1).sum()), per, dtype=np.int64)
+    return lpt_makespan(np.concatenate([full, last]) + costs.unit_overhead, slots)
+
+
 def _partials(ways):
     """Partials of splitting rows ``ways`` ways (per candidate, for a 2-D ``ways``): the split rows' pieces."""
     return ways.sum(axis=-1) - np.count_nonzero(ways == 1, axis=-1)
@@ -350,5 +375,6 @@ def _tables(row_tokens, row_blocks, ways, num_kv_heads, block_size):
     return units[order], merges, int(ways[split_rows].sum())
 
 
-__all__ = ["BUFFER_HEADER", "CostModel", "MERGE_FIELDS", "NO_PARTIAL", "UNIT_FIELDS", "UnitPlan",
-           "choose_kv_splits", "lpt_makespan", "max_units", "predicted_makespan", "unit_tokens"]
+__all__ = ["BUFFER_HEADER", "CostModel", "MERGE_FIELDS", "NO_PARTIAL", "ROUTE_FACTOR", "UNIT_FIELDS", "UnitPlan",
+           "choose_kv_splits", "lpt_makespan", "max_units", "predicted_makespan", "split_plan_makespan",
+           "unit_tokens"]

@@ -441,3 +441,15 @@ def test_units_plans_launch_a_cta_per_unit_and_merge_split_rows(fake_gpu):
         attn.plan([7000] * 4, variant="units", max_units=1)
     with pytest.raises(ValueError, match="num_splits nor warp_heads"):
         attn.plan([7000] * 4, variant="units", num_splits=4)
+
+
+def test_the_default_planner_routes_a_long_row_among_many_short_ones_to_units(fake_gpu):
+    from splitkv import DecodeAttention
+    from splitkv.work_units import UnitPlan
+
+    attn = DecodeAttention(32, 8, 128, q_dtype="fp16", kv_dtype="fp16")
+    plan = attn.plan([65536] + [512] * 63)  # split planner: dense, the long row on one CTA
+    assert isinstance(plan, UnitPlan) and plan.split and attn._launch.spec.variant == "units"
+    for lens in ([65536], [131072], [4096] * 16, [1024] * 64, [3000, 5, 0, 16384]):
+        plan = attn.plan(lens)  # whole-row clusters, waves of dense rows, modest skew: the split planner
+        assert not isinstance(plan, UnitPlan), (lens, attn.plan_info)

@@ -181,3 +181,12 @@ def test_emulator_catches_a_row_no_unit_writes():
     q, k, v = rng.standard_normal((2, 4, 16)), rng.standard_normal((2, 100, 2, 16)), rng.standard_normal((2, 100, 2, 16))
     out, _ = emulate_unit_decode(q, k, v, [100, 50], broken)
     assert np.isnan(out).any()
+
+
+def test_split_plan_makespan_counts_every_piece_of_every_row():
+    from splitkv.work_units import split_plan_makespan
+
+    # Two rows of 300 tokens in pieces of 128: 6 pieces (128, 128, 44 each) on 2 slots.
+    assert split_plan_makespan([300], 2, 128, 2, CostModel(unit_overhead=0)) == 300
+    assert split_plan_makespan([300], 2, 128, 6, CostModel(unit_overhead=10)) == 138
+    assert split_plan_makespan([0, 0], 1, 64, 4, CostModel(unit_overhead=5)) == 5  # an empty row still costs a CTA

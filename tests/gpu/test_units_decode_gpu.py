@@ -15,12 +15,11 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-import splitkv  # noqa: E402
 from splitkv import DecodeAttention  # noqa: E402
 from splitkv.work_units import NO_PARTIAL, UNIT_FIELDS, max_units  # noqa: E402
 
 from test_decode_gpu import _rng, check_close, poisoned, random_values, reference  # noqa: E402
-from test_paged_decode_gpu import paged_kv, with_garbage_columns  # noqa: E402
+from test_paged_decode_gpu import paged_pair, random_qkv, run_against_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -28,33 +27,20 @@ pytestmark = pytest.mark.gpu
 def run_units(lens, num_kv, *, group=4, head_dim=128, kv_dtype="bf16", page_size=None, layout="NHD",
               expect_split=None):
     lens = [int(n) for n in lens]
-    max_len = max(max(lens), 1)
     batch, num_qo = len(lens), num_kv * group
     rng = _rng("units", tuple(lens), num_kv, group, head_dim, kv_dtype, page_size, layout)
-    seed = int(rng.integers(2**31))
-    q, q64 = random_values((batch, num_qo, head_dim), "bf16", seed)
-    k, k64 = random_values((batch, max_len, num_kv, head_dim), "bf16", seed + 1)
-    v, v64 = random_values((batch, max_len, num_kv, head_dim), "bf16", seed + 2)
-    if kv_dtype != "bf16":
-        k, v = splitkv.quantize_kv(k, kv_dtype), splitkv.quantize_kv(v, kv_dtype)
-        k64, v64 = cupy.asarray(k.dequantize_reference()), cupy.asarray(v.dequantize_reference())
+    q, q64, k, v, k64, v64 = random_qkv(rng, lens, num_qo, num_kv, head_dim, kv_dtype)
     k_run, v_run, table = k, v, None
     if page_size:
-        order_seed = int(rng.integers(2**31))
-        k_run, table = paged_kv(k, lens, page_size, layout, order_seed, kv_dtype)
-        v_run, _ = paged_kv(v, lens, page_size, layout, order_seed, kv_dtype)
-        table = cupy.asarray(with_garbage_columns(table, rng))
+        k_run, v_run, table = paged_pair(k, v, lens, page_size, layout, rng, kv_dtype)
+        table = cupy.asarray(table)
     attn = DecodeAttention(num_qo, num_kv, head_dim, kv_dtype=kv_dtype, page_size=page_size, kv_layout=layout)
     plan = attn.plan(lens, variant="units", block_table=table)
     assert attn._launch.spec.variant == "units"
     if expect_split is not None:
         assert plan.split == expect_split, attn.plan_info
-    out = poisoned((batch, num_qo, head_dim), "bf16")
-    lse = cupy.full((batch, num_qo), cupy.nan, dtype=cupy.float32)
-    attn.run(q, k_run, v_run, out=out, lse=lse)
-    ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(head_dim))
-    label = f"units {kv_dtype} D={head_dim} G={group} Hkv={num_kv} lens={lens[:4]} p={page_size} {attn.plan_info}"
-    check_close(out, lse, ref_out, ref_lse, lens, "bf16", label)
+    out, label = run_against_reference(attn, q, k_run, v_run, (q64, k64, v64), lens,
+                                       f"units {kv_dtype} D={head_dim} G={group} Hkv={num_kv} lens={lens[:4]} p={page_size}")
 
     # Rows kept whole: exactly the dense program of the same CTA shape.
     dense = DecodeAttention(num_qo, num_kv, head_dim, kv_dtype=kv_dtype, page_size=page_size, kv_layout=layout,

@@ -91,7 +91,6 @@ def flashinfer_paged(torch, shape, q, k_pages, v_pages, table, page_size, layout
 
 
 def main(argv=None) -> int:
-    import cupy
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -175,7 +174,6 @@ def main(argv=None) -> int:
                 verdict = {True: "", None: f"  (plans differ: {attn.plan_info})",
                            False: "  PAGED OUTPUT DIFFERS FROM CONTIGUOUS"}[same]
                 print(line + verdict + fi_note, flush=True)
-                del k_pages, v_pages, attn
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_gbps": copy_gbps, "rows": rows}, f, indent=1)

@@ -67,8 +67,6 @@ def random_bf16(shape, rng):
 def build(case: Case, rng):
     """q, K and V (contiguous, or pages in a random order), the block table (or None), and the
     pages and table FlashInfer reads (pages of 16 over a contiguous cache)."""
-    import cupy
-
     b, hkv, d = len(case.lens), case.num_kv_heads, case.head_dim
     q = random_bf16((b, case.num_qo_heads, d), rng)
     page = case.page_size or 16
@@ -103,7 +101,6 @@ def flashinfer_case(torch, case, q, pages, table):
     last = torch.tensor([n - (p - 1) * page if p else 0 for n, p in zip(case.lens, per_seq)], dtype=torch.int32,
                         device="cuda")
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    best = None
     for tensor_cores in (False, True):
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
         wrapper.plan(indptr, indices, last, case.num_qo_heads, case.num_kv_heads, case.head_dim, page,

@@ -2,6 +2,7 @@
 
 >>> cache = splitkv.quantize_kv(k, "nvfp4")                   # a whole cache [B, L, Hkv, D]
 >>> splitkv.quantize_kv(k_new, "nvfp4", out=cache, positions=lens)   # append [B, T, Hkv, D] at lens
+>>> splitkv.quantize_kv(k_new, "nvfp4", out=pages, positions=lens, block_table=table)  # into pages
 
 One program per (head_dim, input dtype, format), generated from ``quantize.cu.j2``; it writes
 exactly the bytes of `splitkv.kv_formats.quantize_reference`.
@@ -20,6 +21,7 @@ from .spec import QUANTIZE_IN_DTYPES, QuantizeSpec
 #: Status bits the quantizer ORs into its status word (see quantize.cu.j2).
 NONFINITE_INPUT = 1
 POSITION_OUT_OF_RANGE = 2
+PAGE_OUT_OF_RANGE = 4
 
 
 class NonFiniteInputError(ValueError):
@@ -55,7 +57,8 @@ class QuantizedKV:
 
 
 def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: QuantizedKV | None = None,
-                positions=None, check: bool | None = None, status=None, stream=None) -> QuantizedKV:
+                positions=None, block_table=None, kv_layout: str = "NHD", check: bool | None = None, status=None,
+                stream=None) -> QuantizedKV:
     """Quantize ``x`` (bf16 or fp16, contiguous, ``[B, T, Hkv, D]``; ``[B, Hkv, D]`` is one token per
     sequence) into ``kv_dtype`` ('fp8_e4m3' or 'nvfp4').
 
@@ -68,12 +71,17 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
     a host sequence or a device int32 array of B values; None: 0). Without ``out`` a new tensor of
     x's shape is returned.
 
+    ``block_table`` (with ``out``): ``out`` is a paged cache (values ``[num_pages, page_size, Hkv,
+    ...]``, or ``[num_pages, Hkv, page_size, ...]`` for ``kv_layout='HND'``, block scales alike) and
+    cache row p of sequence b is row ``p % page_size`` of page ``block_table[b, p // page_size]``
+    (int32 ``[B, max_pages_per_seq]``, host or device), as `splitkv.paged` lays caches out.
+
     ``check``: read the status back and raise for non-finite inputs (NonFiniteInputError; the
     affected elements or blocks are written as NaN, never as finite values) or positions past the
-    cache (ValueError; those tokens are not written). This waits for the stream. Default: on,
-    except while the stream is captured into a CUDA graph, where it cannot wait; there pass
-    ``status`` (a zeroed device int32 array of one element) and read it later: bit 1 non-finite
-    input, bit 2 position out of range.
+    cache or onto pages the cache does not have (ValueError; those tokens are not written). This
+    waits for the stream. Default: on, except while the stream is captured into a CUDA graph,
+    where it cannot wait; there pass ``status`` (a zeroed device int32 array of one element) and
+    read it later: bit 1 non-finite input, bit 2 position out of range, bit 4 page out of range.
     """
     kv_formats.check_format(kv_dtype)
     info = tensors.describe(x, "x", bf16_from_uint16=True)
@@ -101,19 +109,26 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
                 raise ValueError("check: the status cannot be read back while the stream is captured into a "
                                  "CUDA graph; pass check=False and a status array")
             x_cp = tensors.to_cupy(x).reshape(batch, tokens, num_kv_heads, head_dim)
+            paging = None
             if out is None:
-                if positions is not None:
-                    raise ValueError("positions: only for writing into a cache (out=...)")
+                if positions is not None or block_table is not None:
+                    raise ValueError(f"{'positions' if positions is not None else 'block_table'}: only for "
+                                     f"writing into a cache (out=...)")
                 cache = _new_cache(x_cp, kv_dtype, _scale_array(scale, x_cp, info, kv_dtype, per_head))
                 cache_len, positions_arr = tokens, None
             else:
                 if scale is not None:
                     raise ValueError("scale: a cache keeps its own scale (out.scale); pass scale=None with out=")
-                cache = _check_cache(out, kv_dtype, batch, num_kv_heads, head_dim)
-                cache_len = tensors.describe(cache.values, "out.values").shape[1]
+                if block_table is None:
+                    cache = _check_cache(out, kv_dtype, batch, num_kv_heads, head_dim)
+                    cache_len = tensors.describe(cache.values, "out.values").shape[1]
+                else:
+                    cache, paging = _check_paged_cache(out, kv_dtype, num_kv_heads, head_dim, kv_layout)
+                    paging = _paging_args(block_table, batch, paging, kv_layout)
+                    cache_len = int(paging[1]) * int(paging[2])  # the table's pages per sequence x page size
                 positions_arr = _positions_array(positions, batch, tokens, cache_len)
             status_arr = _status_array(status)
-            _launch(qspec, x_cp, cache, status_arr, positions_arr, tokens, num_kv_heads, cache_len)
+            _launch(qspec, x_cp, cache, status_arr, positions_arr, tokens, num_kv_heads, cache_len, paging)
             if check:
                 _raise_for_status(int(status_arr.get()[0]), kv_dtype)
     if out is not None:
@@ -121,7 +136,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
     return _as_torch(cache) if tensors._like_is_torch(info) else cache
 
 
-def _launch(qspec, x_cp, cache, status_arr, positions, tokens, num_kv_heads, cache_len) -> None:
+def _launch(qspec, x_cp, cache, status_arr, positions, tokens, num_kv_heads, cache_len, paging) -> None:
     from .codegen import load_kernel
 
     function, _ = load_kernel(qspec)
@@ -132,7 +147,8 @@ def _launch(qspec, x_cp, cache, status_arr, positions, tokens, num_kv_heads, cac
     function((grid,), (threads,),
              (x_cp.data.ptr, values.data.ptr, 0 if block_scales is None else block_scales.data.ptr,
               scale.data.ptr, 0 if positions is None else positions.data.ptr, status_arr.data.ptr, np.int64(num_groups), np.int32(tokens),
-              np.int32(num_kv_heads), np.int32(cache_len), np.int32(scale.size > 1)))
+              np.int32(num_kv_heads), np.int32(cache_len), np.int32(scale.size > 1),
+              *(paging[:-1] if paging else (np.uint64(0), np.int32(0), np.int32(0), np.int32(0), np.int32(0)))))
 
 
 def _cupy(a):
@@ -198,6 +214,50 @@ def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: in
     return out
 
 
+def _check_paged_cache(out, kv_dtype: str, num_kv_heads: int, head_dim: int, kv_layout: str):
+    """A paged QuantizedKV checked against x's heads and head_dim: (out, (num_pages, page_size))."""
+    from .paged import cache_geometry
+
+    if not isinstance(out, QuantizedKV) or out.kv_dtype != kv_dtype:
+        raise TypeError(f"out: expected a {kv_dtype} QuantizedKV cache, got {getattr(out, 'kv_dtype', type(out).__name__)}")
+    values = tensors.describe(out.values, "out.values")
+    if values.ndim != 4:
+        raise ValueError(f"out.values: expected a paged cache of 4 dimensions, got shape {values.shape}")
+    logical = (*values.shape[:3], head_dim)
+    num_pages, page_size, heads, _ = cache_geometry(logical, kv_layout)
+    value_shape, block_shape = kv_formats.stored_shapes(logical, kv_dtype)
+    if heads != num_kv_heads or values.shape != value_shape or values.dtype != "uint8":
+        raise ValueError(f"out.values: expected uint8 pages of {num_kv_heads} K/V heads and head_dim {head_dim} "
+                         f"({kv_layout}), got {values.dtype} {values.shape}")
+    tensors._check_layout(values, "out.values")
+    if block_shape is not None:
+        blocks = tensors.describe(out.block_scales, "out.block_scales")
+        if blocks.shape != block_shape or blocks.dtype != "uint8" or not blocks.is_contiguous:
+            raise ValueError(f"out.block_scales: expected contiguous uint8 {block_shape}, got "
+                             f"{blocks.dtype} {blocks.shape}")
+    tensors.describe_scale(out.scale, "out.scale", num_kv_heads)
+    return out, (num_pages, page_size)
+
+
+def _paging_args(block_table, batch: int, geometry, kv_layout: str) -> tuple:
+    """The kernel's paging arguments (table pointer, row length, page size, HND, page count), and
+    the device table they point into (kept alive by the caller until the launch)."""
+    import cupy
+
+    num_pages, page_size = geometry
+    if tensors.is_device_array(block_table):
+        info = tensors.describe(block_table, "block_table")
+        table = tensors.to_cupy(block_table)
+    else:
+        table = cupy.asarray(np.ascontiguousarray(np.asarray(block_table), dtype=np.int32))
+        info = tensors.describe(table, "block_table")
+    if info.dtype != "int32" or info.ndim != 2 or info.shape[0] != batch or not info.is_contiguous:
+        raise ValueError(f"block_table: expected a contiguous int32 [{batch}, max_pages_per_seq] array, got "
+                         f"{info.dtype} {info.shape}")
+    return (np.uint64(table.data.ptr), np.int32(info.shape[1]), np.int32(page_size), np.int32(kv_layout == "HND"),
+            np.int32(num_pages), table)
+
+
 def _positions_array(positions, batch: int, tokens: int, cache_len: int):
     """The int32 positions on the device, or None. Host positions are checked here."""
     import cupy
@@ -236,6 +296,9 @@ def _status_array(status):
 
 
 def _raise_for_status(bits: int, kv_dtype: str) -> None:
+    if bits & PAGE_OUT_OF_RANGE:
+        raise ValueError("block_table: some tokens fall on pages outside the cache (a page index < 0 or >= the "
+                         "cache's page count); they were not written")
     if bits & POSITION_OUT_OF_RANGE:
         raise ValueError("positions: some tokens fall outside the cache (position < 0 or >= its length); "
                          "they were not written")

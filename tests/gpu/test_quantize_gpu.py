@@ -207,3 +207,37 @@ def test_append_in_a_cuda_graph_replays_for_new_positions():
         assert_bytes_equal(cache, values[0], None, np.s_[0, step:step + 1])
         assert_bytes_equal(cache, values[1], None, np.s_[1, 63 - step:64 - step])
     assert int(status.get()[0]) == 0
+
+
+@pytest.mark.parametrize("kv_format", FORMATS)
+@pytest.mark.parametrize("page_size, layout", [(1, "NHD"), (16, "HND"), (64, "NHD")])
+def test_appending_into_pages_writes_the_bytes_of_the_contiguous_append(kv_format, page_size, layout):
+    from splitkv.paged import gather_pages, paginate
+
+    batch, length, heads, dim, tokens = 3, 256, 2, 128, 5
+    _, x = random_kv((batch, length, heads, dim), "bf16", "paged cache", kv_format, page_size, layout)
+    _, new = random_kv((batch, tokens, heads, dim), "bf16", "paged append", kv_format, page_size, layout)
+    cache = quantize_kv(x, kv_format, per_head=True)
+    rng = _rng("paged order", kv_format, page_size, layout)
+    spare = 3
+    order = rng.permutation(batch * length // page_size + spare)
+    parts = [paginate(host(a), page_size, layout, order=order, spare_pages=spare) for a in (cache.values, cache.block_scales)
+             if a is not None]
+    table = parts[0][1]
+    pages = QuantizedKV(kv_format, cupy.asarray(parts[0][0]), cupy.asarray(parts[1][0]) if len(parts) > 1 else None,
+                        cache.scale)
+    before = [host(a).copy() for a in (pages.values, pages.block_scales) if a is not None]
+    positions = np.array([0, 100, length - tokens], np.int32)
+    quantize_kv(new, kv_format, out=cache, positions=positions)
+    quantize_kv(new, kv_format, out=pages, positions=cupy.asarray(positions), block_table=cupy.asarray(table),
+                kv_layout=layout)
+    lens = [length] * batch
+    for got, want, old in zip((pages.values, pages.block_scales), (cache.values, cache.block_scales), before):
+        np.testing.assert_array_equal(gather_pages(host(got), table, lens, layout), host(want))
+        unused = np.setdiff1d(np.arange(order.size), table.ravel())  # the spare pages stay as they were
+        np.testing.assert_array_equal(host(got)[unused], old[unused])
+    # A page the cache does not have is refused, and nothing is written onto it.
+    bad = table.copy()
+    bad[1, 100 // page_size] = order.size
+    with pytest.raises(ValueError, match="block_table: some tokens fall on pages outside the cache"):
+        quantize_kv(new, kv_format, out=pages, positions=positions, block_table=bad, kv_layout=layout)

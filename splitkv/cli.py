@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only these GQA group sizes (query heads per K/V head)")
     p.add_argument("--dtype", dest="kv_dtypes", type=_csv(str), action="append", metavar="T,...",
                    help="only these K/V dtypes")
+    p.add_argument("--page-size", dest="page_sizes", type=_csv(int), action="append", metavar="P,...",
+                   help="also (or, without 0, only) the programs for paged caches of these page sizes "
+                        "(0: contiguous caches, the default)")
+    p.add_argument("--layout", dest="kv_layout", choices=["NHD", "HND"], default="NHD",
+                   help="the axis order of a page for --page-size (default NHD)")
     p.add_argument("--emit", type=Path, metavar="DIR",
                    help="write <name>.cu and <name>.cubin of every kernel built into DIR")
     p.add_argument("--list", action="store_true", help="list the kernel names only; compile nothing")
@@ -309,13 +314,19 @@ def _main(argv) -> int:
     head_dims = _flatten(args.head_dims)
     group_sizes = _flatten(args.group_sizes)
     kv_dtypes = _flatten(args.kv_dtypes)
+    page_sizes = _flatten(args.page_sizes) or (0,)
     arch = _check_filters(parser, args.arch, head_dims, group_sizes, kv_dtypes)
+    from splitkv.spec import PAGE_SIZES
+
+    for page_size in page_sizes:
+        if page_size not in (0, *PAGE_SIZES):
+            parser.error(f"--page-size: {page_size} is not supported; choose 0 (contiguous) or one of {list(PAGE_SIZES)}")
 
     from splitkv import codegen
 
     try:
         specs = list(codegen.default_specs(arch, head_dims=head_dims, group_sizes=group_sizes,
-                                           kv_dtypes=kv_dtypes))
+                                           kv_dtypes=kv_dtypes, page_sizes=page_sizes, kv_layout=args.kv_layout))
     except ValueError as e:
         print(f"splitkv-gen: {e}", file=sys.stderr)
         return 2

@@ -70,9 +70,10 @@ class FakeCodegen:
         if self.missing_compiler is not None:
             raise real_compiler.CompilerUnavailableError(self.missing_compiler)
 
-    def default_specs(self, arch, *, head_dims=None, group_sizes=None, kv_dtypes=None):
+    def default_specs(self, arch, *, head_dims=None, group_sizes=None, kv_dtypes=None, page_sizes=(0,), kv_layout="NHD"):
         self.calls.append(dict(arch=arch, head_dims=head_dims, group_sizes=group_sizes,
                                kv_dtypes=kv_dtypes))
+        self.paging = (page_sizes, kv_layout)
         return list(self.specs)
 
     def compile_cubin(self, spec):
@@ -423,3 +424,10 @@ def test_real_codegen_offers_what_the_cli_calls():
     assert issubclass(codegen.CompileError, Exception)
     err = codegen.CompileError("failed", "the log", Path("kernel.cu"))
     assert err.log == "the log" and err.source_path == Path("kernel.cu")
+
+
+def test_page_sizes_and_layout_reach_the_kernel_set(fake, capsys):
+    code, _, _ = run(capsys, "--arch", "sm90", "--list", "--page-size", "0,16", "--page-size", "64", "--layout", "HND")
+    assert code == 0 and fake.paging == ((0, 16, 64), "HND")
+    code, _, err = run(capsys, "--arch", "sm90", "--list", "--page-size", "12")
+    assert code == 2 and "--page-size: 12 is not supported" in err

@@ -48,7 +48,8 @@ def test_default_set_covers_the_vocabulary():
     decode = [s for s in DEFAULT_SET if isinstance(s, KernelSpec)]
     assert {s.head_dim for s in decode} == {64, 96, 128, 256}
     assert {s.group_size for s in decode} == {1, 2, 4, 8, 16}
-    assert {s.variant for s in decode} == {"dense", "split"}
+    assert {s.variant for s in decode} == {"dense", "split", "units"}
+    assert {s.name for s in decode if s.variant == "units"} == {s.as_units().name for s in decode if s.variant == "split"}
     # The dense program in both layouts the planner picks from (a row per CTA, a row per warp).
     dense = [s for s in decode if s.variant == "dense"]
     assert {s.name for s in dense if s.warp_heads} == {s.replace(warp_heads=True).name for s in dense if not s.warp_heads}
@@ -57,7 +58,15 @@ def test_default_set_covers_the_vocabulary():
         (q, kv) for q in ("bf16", "fp16") for kv in ("fp8_e4m3", "nvfp4")}
     assert {s.head_dim for s in decode if s.kv_dtype == "nvfp4"} == {64, 128, 256}
     assert len({s.name for s in DEFAULT_SET}) == len(DEFAULT_SET), "names must be unique"
-    assert sum(isinstance(s, MergeSpec) for s in DEFAULT_SET) == 8
+    assert sum(isinstance(s, MergeSpec) for s in DEFAULT_SET) == 16  # of splits and of merge tables
+    assert not any(getattr(s, "page_size", 0) for s in DEFAULT_SET)  # contiguous caches unless asked
+
+
+def test_paged_sets_come_per_page_size_and_layout():
+    specs = [s for s in default_specs("sm90", head_dims=(128,), group_sizes=(4,), kv_dtypes=("bf16",),
+                                      page_sizes=(0, 1, 16), kv_layout="HND") if isinstance(s, KernelSpec)]
+    assert {(s.page_size, s.kv_layout) for s in specs} == {(0, "NHD"), (1, "HND"), (16, "HND")}
+    assert {s.kv_copy for s in specs if s.page_size == 1} == {"cp_async"}  # no tensor-map box of one row
 
 
 #: The quantized programs that spill: head_dim 256 with more than 8 query heads per K/V head keeps
@@ -80,14 +89,14 @@ def test_every_default_kernel_compiles_for_sm90(spec):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100a"])
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "nvfp4"])
 def test_quantized_kernels_compile(kv_dtype, arch):
-    # Every head_dim the format takes, groups on both MMA layouts, dense (both layouts) and split;
+    # Every head_dim the format takes, groups on both MMA layouts, dense (both layouts), split and units;
     # sm_100a converts E2M1 in hardware, sm_90 with integer ops.
     head_dims = (64, 96, 128, 256) if kv_dtype == "fp8_e4m3" else (64, 128, 256)
     if arch == "sm_100a":
         head_dims = (128,)
     specs = [s for s in default_specs(arch, head_dims=head_dims, group_sizes=(1, 4, 16), kv_dtypes=(kv_dtype,))
              if isinstance(s, KernelSpec) and s.q_dtype == "bf16"]
-    assert len(specs) == 9 * len(head_dims)
+    assert len(specs) == 12 * len(head_dims)
     for spec in specs:
         result = compile_cubin(spec, use_disk_cache=False)
         assert result.cubin[:4] == b"\x7fELF", spec.name
@@ -104,7 +113,7 @@ def test_every_quantized_default_program_renders(arch):
     # The whole quantized default set (both query dtypes, every head_dim and group) renders with
     # every parameter filled; a sample of it is compiled above.
     specs = [s for s in default_specs(arch, kv_dtypes=("fp8_e4m3", "nvfp4")) if isinstance(s, KernelSpec)]
-    assert len(specs) == 2 * (4 + 3) * 5 * 3
+    assert len(specs) == 2 * (4 + 3) * 5 * 4  # query dtypes x head_dims x groups x (dense twice, split, units)
     for spec in specs:
         source = render(spec)
         assert "{{" not in source and "{%" not in source

@@ -16,13 +16,16 @@ from .render import helper_headers, render
 DEFAULT_GROUP_SIZES = (1, 2, 4, 8, 16)
 
 
-def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> list:
+def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None, page_sizes=(0,),
+                  kv_layout: str = "NHD") -> list:
     """The kernel set ``splitkv-gen --arch ARCH`` builds: for every head_dim, group size and K/V
-    dtype, the dense and split decode programs in their built-in CTA shape (the dense one also with a
-    warp per K/V head, which the planner takes for batches of many rows), with queries in the K/V
-    dtype (bf16 and fp16 queries for the quantized formats); the merge program per head_dim and
-    output dtype; and the K/V quantizer per head_dim, input dtype and quantized format. Head dims a
-    format does not take (NVFP4 needs a multiple of 64) are left out of its programs."""
+    dtype, the dense, split and units decode programs in their built-in CTA shape (the dense one
+    also with a warp per K/V head, which the planner takes for batches of many rows), with queries
+    in the K/V dtype (bf16 and fp16 queries for the quantized formats), for contiguous caches and
+    for pages of each of ``page_sizes`` (0: contiguous) in ``kv_layout``; the merge programs (of
+    splits, and of a unit plan's merge table) per head_dim and output dtype; and the K/V quantizer
+    per head_dim, input dtype and quantized format. Head dims a format does not take (NVFP4 needs
+    a multiple of 64) are left out of its programs."""
     arch = parse_arch(arch)
     head_dims = tuple(head_dims or HEAD_DIMS)
     group_sizes = tuple(group_sizes or DEFAULT_GROUP_SIZES)
@@ -36,15 +39,18 @@ def default_specs(arch, *, head_dims=None, group_sizes=None, kv_dtypes=None) -> 
                 if kv_dtype == "nvfp4" and head_dim % 64:
                     continue
                 for group in group_sizes:
-                    dense = default_spec(arch, head_dim, group, q_dtype, kv_dtype, "dense")
-                    specs.append(dense)
-                    if dense.warps > 1:  # plan.pack_heads
-                        specs.append(dense.replace(warp_heads=True))
-                    specs.append(default_spec(arch, head_dim, group, q_dtype, kv_dtype, "split"))
+                    for page_size in page_sizes:
+                        paging = dict(page_size=page_size, kv_layout=kv_layout if page_size else "NHD")
+                        dense = default_spec(arch, head_dim, group, q_dtype, kv_dtype, "dense", **paging)
+                        specs.append(dense)
+                        if dense.warps > 1:  # plan.pack_heads
+                            specs.append(dense.replace(warp_heads=True))
+                        split = default_spec(arch, head_dim, group, q_dtype, kv_dtype, "split", **paging)
+                        specs += [split, split.as_units()]
     # Merge outputs and quantizer inputs: every query dtype the decode programs above take.
     for dtype in dict.fromkeys(q for d in kv_dtypes for q in _query_dtypes(d)):
         for head_dim in head_dims:
-            specs.append(MergeSpec(arch=arch, head_dim=head_dim, out_dtype=dtype))
+            specs += [MergeSpec(arch=arch, head_dim=head_dim, out_dtype=dtype, tables=tables) for tables in (False, True)]
             specs += [QuantizeSpec(arch=arch, head_dim=head_dim, in_dtype=dtype, kv_format=f) for f in QUANTIZE_FORMATS]
     return specs
 

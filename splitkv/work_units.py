@@ -201,7 +201,9 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
     unsplit = best = None
     if rows % slots and rows < SPLIT_WAVES * slots:
         unsplit = lpt_makespan(unsplit_costs, slots)
-        best = unsplit
+        # A split plan is kept only below this, so the search starts from it: candidates bounded
+        # above it are never simulated, and the simulations stop as soon as they reach it.
+        best = unsplit * (1 - costs.threshold)
         # The LPT simulation only for candidates whose lower bound still beats the best so far, in
         # the order of their bounds: the best plan usually packs close to its bound, so few run.
         candidates = _candidates(row_tokens, row_blocks, slots, costs)
@@ -213,8 +215,8 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
             predicted = _predicted_makespan(row_tokens, row_blocks, candidate, block_size, slots, costs, best)
             if predicted is not None and predicted < best:
                 best, ways = predicted, candidate
-        if best >= unsplit * (1 - costs.threshold):
-            best, ways = unsplit, np.ones(rows, dtype=np.int64)
+        if not np.any(ways > 1):  # no candidate beat the unsplit plan by the threshold
+            best = unsplit
     units, merges, num_partials = _tables(row_tokens, row_blocks, ways, num_kv_heads, block_size)
     return UnitPlan(block_size, num_kv_heads, slots, units, merges, num_partials, best, unsplit)
 

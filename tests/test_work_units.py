@@ -190,3 +190,28 @@ def test_split_plan_makespan_counts_every_piece_of_every_row():
     assert split_plan_makespan([300], 2, 128, 2, CostModel(unit_overhead=0)) == 300
     assert split_plan_makespan([300], 2, 128, 6, CostModel(unit_overhead=10)) == 138
     assert split_plan_makespan([0, 0], 1, 64, 4, CostModel(unit_overhead=5)) == 5  # an empty row still costs a CTA
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_the_pruned_search_finds_the_best_candidate_simulated_in_full(problem):
+    """The bounds and the early stops only skip work: every candidate simulated in full, the best
+    one kept past the threshold, gives the same makespan."""
+    from splitkv.work_units import _candidates, _pieces, _merge_cost, _partials
+
+    costs = CostModel()
+    plan = choose_kv_splits(**problem)
+    heads, slots, block = problem["num_kv_heads"], problem["slots"], problem["block_size"]
+    row_tokens = np.repeat(np.asarray(problem["seq_lens"], dtype=np.int64), heads)
+    row_blocks = -(-row_tokens // block)
+    if row_tokens.size % slots == 0 or row_tokens.size >= SPLIT_WAVES * slots:
+        assert not plan.split
+        return
+    unsplit = lpt_makespan(row_tokens + costs.unit_overhead, slots)
+    full = [lpt_makespan(_pieces(row_tokens, row_blocks, ways, block).tokens + costs.unit_overhead, slots)
+            + float(_merge_cost(_partials(ways), slots, costs)) for ways in _candidates(row_tokens, row_blocks, slots, costs)]
+    best = min(full, default=unsplit)
+    if best < unsplit * (1 - costs.threshold):
+        assert plan.split and plan.makespan == pytest.approx(best)
+    else:
+        assert not plan.split and plan.makespan == unsplit

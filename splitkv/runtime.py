@@ -28,7 +28,7 @@ from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, pl
 from .spec import KV_LAYOUTS, PAGE_SIZES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS, UnitPlan, choose_kv_splits,
-                         predicted_makespan, split_plan_makespan)
+                         may_route_to_units, predicted_makespan, split_plan_makespan)
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -326,8 +326,10 @@ class DecodeAttention:
         if self.split_spec.span_rows or plan.heads_per_cta > 1:
             return None
         slots = self.num_sms * ctas_per_sm
-        units = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots)
         per_split = plan.tokens_per_split if plan.variant == "split" else max(int(host_lens.max(initial=0)), 1)
+        if not may_route_to_units(host_lens, self.num_kv_heads, per_split, slots):  # the common case, in O(rows)
+            return None
+        units = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots)
         split_cost = split_plan_makespan(host_lens, self.num_kv_heads, per_split, slots)
         return units if split_cost > ROUTE_FACTOR * predicted_makespan(units, host_lens) else None
 

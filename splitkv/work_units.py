@@ -297,6 +297,22 @@ def unit_tokens(plan: UnitPlan, seq_lens) -> np.ndarray:
 ROUTE_FACTOR = 4.0
 
 
+def may_route_to_units(seq_lens, num_kv_heads: int, tokens_per_split: int, slots: int,
+                       costs: CostModel | None = None) -> bool:
+    """False when a split plan (as `split_plan_makespan` costs it) cannot be `ROUTE_FACTOR` times
+    slower than any unit plan, without planning the units: a list schedule ends by the average
+    load plus the longest job (Graham), and no unit plan beats the rows' average load. True means
+    that the plans must be compared."""
+    costs = costs if costs is not None else CostModel()
+    row_tokens = np.repeat(_check_lens(seq_lens).astype(np.int64), _positive_int("num_kv_heads", num_kv_heads))
+    per = _positive_int("tokens_per_split", tokens_per_split)
+    pieces = np.maximum(-(-row_tokens // per), 1)
+    split_total = float(row_tokens.sum()) + costs.unit_overhead * float(pieces.sum())
+    split_bound = split_total / slots + min(per, int(row_tokens.max(initial=0))) + costs.unit_overhead
+    units_bound = (float(row_tokens.sum()) + costs.unit_overhead * row_tokens.size) / slots
+    return split_bound > ROUTE_FACTOR * units_bound
+
+
 def split_plan_makespan(seq_lens, num_kv_heads: int, tokens_per_split: int, slots: int,
                         costs: CostModel | None = None) -> float:
     """The cost model's makespan of a split plan (`plan.SplitPlan`): every row cut into pieces of
@@ -378,5 +394,5 @@ def _tables(row_tokens, row_blocks, ways, num_kv_heads, block_size):
 
 
 __all__ = ["BUFFER_HEADER", "CostModel", "MERGE_FIELDS", "NO_PARTIAL", "ROUTE_FACTOR", "UNIT_FIELDS", "UnitPlan",
-           "choose_kv_splits", "lpt_makespan", "max_units", "predicted_makespan", "split_plan_makespan",
-           "unit_tokens"]
+           "choose_kv_splits", "lpt_makespan", "max_units", "may_route_to_units", "predicted_makespan",
+           "split_plan_makespan", "unit_tokens"]

@@ -215,3 +215,16 @@ def test_the_pruned_search_finds_the_best_candidate_simulated_in_full(problem):
         assert plan.split and plan.makespan == pytest.approx(best)
     else:
         assert not plan.split and plan.makespan == unsplit
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(), st.sampled_from([64, 128, 512, 4096]), st.booleans())
+def test_routing_is_skipped_only_where_units_could_not_win(problem, per_split, dense):
+    from splitkv.work_units import ROUTE_FACTOR, may_route_to_units, split_plan_makespan
+
+    lens, heads, slots = problem["seq_lens"], problem["num_kv_heads"], problem["slots"]
+    per_split = max(max(lens), 1) if dense else per_split
+    if may_route_to_units(lens, heads, per_split, slots):
+        return
+    units = choose_kv_splits(**problem)
+    assert split_plan_makespan(lens, heads, per_split, slots) <= ROUTE_FACTOR * predicted_makespan(units, lens)

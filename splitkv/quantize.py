@@ -204,6 +204,13 @@ def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: in
     if values.ndim != 4 or values.shape != value_shape or values.dtype != "uint8":
         raise ValueError(f"out.values: expected uint8 {value_shape} for x's batch, heads and head_dim, got "
                          f"{values.dtype} {values.shape}")
+    _check_cache_parts(out, values, block_shape, num_kv_heads)
+    return out
+
+
+def _check_cache_parts(out, values, block_shape, num_kv_heads: int) -> None:
+    """The checks a cache's values (of the right shape), block scales and scale share, contiguous
+    and paged."""
     tensors._check_layout(values, "out.values")
     if block_shape is not None:
         blocks = tensors.describe(out.block_scales, "out.block_scales")
@@ -211,7 +218,6 @@ def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: in
             raise ValueError(f"out.block_scales: expected contiguous uint8 {block_shape}, got "
                              f"{blocks.dtype} {blocks.shape}")
     tensors.describe_scale(out.scale, "out.scale", num_kv_heads)
-    return out
 
 
 def _check_paged_cache(out, kv_dtype: str, num_kv_heads: int, head_dim: int, kv_layout: str):
@@ -229,13 +235,7 @@ def _check_paged_cache(out, kv_dtype: str, num_kv_heads: int, head_dim: int, kv_
     if heads != num_kv_heads or values.shape != value_shape or values.dtype != "uint8":
         raise ValueError(f"out.values: expected uint8 pages of {num_kv_heads} K/V heads and head_dim {head_dim} "
                          f"({kv_layout}), got {values.dtype} {values.shape}")
-    tensors._check_layout(values, "out.values")
-    if block_shape is not None:
-        blocks = tensors.describe(out.block_scales, "out.block_scales")
-        if blocks.shape != block_shape or blocks.dtype != "uint8" or not blocks.is_contiguous:
-            raise ValueError(f"out.block_scales: expected contiguous uint8 {block_shape}, got "
-                             f"{blocks.dtype} {blocks.shape}")
-    tensors.describe_scale(out.scale, "out.scale", num_kv_heads)
+    _check_cache_parts(out, values, block_shape, num_kv_heads)
     return out, (num_pages, page_size)
 
 

@@ -189,3 +189,35 @@ def test_quantize_programs_compile_without_spills(arch, kv_format, in_dtype):
                                                      kv_format=kv_format))
         assert result.cubin[:4] == b"\x7fELF"
         assert result.spill_bytes == 0, result.log
+
+
+def test_caches_to_quantize_into_are_checked_part_by_part():
+    """quantize_kv's checks of ``out``, contiguous and paged (on interfaces: no GPU needed)."""
+    from splitkv.quantize import QuantizedKV, _check_cache, _check_paged_cache
+    from tests.test_inputs import FakeCAI
+
+    def arr(shape, typestr="|u1", ptr=0x7F00_0000_0000):
+        return FakeCAI(shape, typestr, ptr=ptr)
+
+    scale = arr((2,), "<f4")
+    cache = QuantizedKV("nvfp4", arr((3, 64, 2, 64)), arr((3, 64, 2, 8)), scale)
+    assert _check_cache(cache, "nvfp4", 3, 2, 128) is cache
+    with pytest.raises(ValueError, match="out.values: expected uint8"):
+        _check_cache(cache, "nvfp4", 4, 2, 128)
+    with pytest.raises(ValueError, match="out.block_scales: expected contiguous uint8"):
+        _check_cache(QuantizedKV("nvfp4", arr((3, 64, 2, 64)), arr((3, 64, 2, 4)), scale), "nvfp4", 3, 2, 128)
+    with pytest.raises(ValueError, match="out.scale"):
+        _check_cache(QuantizedKV("nvfp4", arr((3, 64, 2, 64)), arr((3, 64, 2, 8)), arr((3,), "<f4")), "nvfp4", 3, 2, 128)
+    with pytest.raises(ValueError, match="the cache holds fp8_e4m3"):
+        _check_cache(QuantizedKV("fp8_e4m3", arr((3, 64, 2, 128)), None, scale), "nvfp4", 3, 2, 128)
+
+    pages = QuantizedKV("fp8_e4m3", arr((10, 2, 16, 128)), None, scale)  # HND: 10 pages of 16 tokens
+    assert _check_paged_cache(pages, "fp8_e4m3", 2, 128, "HND") == (pages, (10, 16))
+    with pytest.raises(ValueError, match=r"expected uint8 pages of 2 K/V heads and head_dim 128 \(NHD\)"):
+        _check_paged_cache(pages, "fp8_e4m3", 2, 128, "NHD")  # read as NHD: pages of 2 tokens of 16 heads
+    with pytest.raises(ValueError, match="page size 12"):
+        _check_paged_cache(QuantizedKV("fp8_e4m3", arr((10, 12, 2, 128)), None, scale), "fp8_e4m3", 2, 128, "NHD")
+    with pytest.raises(ValueError, match="expected uint8 pages of 4 K/V heads"):
+        _check_paged_cache(pages, "fp8_e4m3", 4, 128, "HND")
+    with pytest.raises(TypeError, match="expected a nvfp4 QuantizedKV"):
+        _check_paged_cache(pages, "nvfp4", 2, 128, "HND")

@@ -60,9 +60,9 @@ def as_torch(torch, array, dtype):
     return torch.as_tensor(array, device="cuda").view(dtype)
 
 
-def flashinfer_paged(torch, shape, q, k_pages, v_pages, table, page_size, layout, tensor_cores):
-    """FlashInfer's paged decode on the same pages and table: (run function, output getter, what
-    must stay alive)."""
+def flashinfer_paged(torch, heads, q, k_pages, v_pages, table, lens, page_size, layout, tensor_cores):
+    """FlashInfer's paged decode on the same pages and table, for sequences of ``lens`` tokens and
+    ``heads`` (Hq, Hkv, D): (run function, output getter, what must stay alive)."""
     import flashinfer
 
     scales = {}
@@ -73,14 +73,15 @@ def flashinfer_paged(torch, shape, q, k_pages, v_pages, table, page_size, layout
         k_cache, v_cache = (as_torch(torch, c.values, torch.float8_e4m3fn) for c in (k_pages, v_pages))
     else:
         k_cache, v_cache = (as_torch(torch, c, torch.bfloat16) for c in (k_pages, v_pages))
-    per_seq = table.shape[1]
-    indptr = torch.arange(shape.batch + 1, dtype=torch.int32, device="cuda") * per_seq
-    indices = torch.as_tensor(table.ravel(), device="cuda")
-    last = torch.full((shape.batch,), shape.seq_len - (per_seq - 1) * page_size, dtype=torch.int32, device="cuda")
+    per_seq = [-(-n // page_size) for n in lens]  # the pages each sequence reads, in its table row
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum(per_seq)]), dtype=torch.int32, device="cuda")
+    indices = torch.tensor(np.concatenate([table[i, :n] for i, n in enumerate(per_seq)]), dtype=torch.int32,
+                           device="cuda")
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(lens, per_seq)], dtype=torch.int32,
+                        device="cuda")
     workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=tensor_cores)
-    wrapper.plan(indptr, indices, last, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, page_size,
-                 q_data_type=torch.bfloat16, kv_data_type=k_cache.dtype)
+    wrapper.plan(indptr, indices, last, *heads, page_size, q_data_type=torch.bfloat16, kv_data_type=k_cache.dtype)
     q_t = as_torch(torch, q, torch.bfloat16)
     out = torch.empty_like(q_t)
     keep = (workspace, indptr, indices, last, wrapper, k_cache, v_cache)
@@ -145,8 +146,8 @@ def main(argv=None) -> int:
                 fi_us, fi_note = None, ""
                 for tensor_cores in (False, True):  # FlashInfer's two decode paths: the faster one counts
                     try:
-                        fi_run, fi_out, keep = flashinfer_paged(torch, shape, q, k_pages, v_pages, table, page_size,
-                                                                args.layout, tensor_cores)
+                        fi_run, fi_out, keep = flashinfer_paged(torch, heads, q, k_pages, v_pages, table, lens,
+                                                                page_size, args.layout, tensor_cores)
                         fi_run()
                         torch.cuda.synchronize()
                         ours = as_torch(torch, paged_out, torch.bfloat16).float()

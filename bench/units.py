@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paged import flashinfer_paged  # bench/paged.py: the same FlashInfer call on the same pages
 from splitkv import DecodeAttention
 from splitkv.bench import Harness
 
@@ -88,28 +89,6 @@ def build(case: Case, rng):
     return q, k, v, table, (k, v), table
 
 
-def flashinfer_case(torch, case, q, pages, table):
-    import cupy
-    import flashinfer
-
-    page = case.page_size or 16
-    as_bf16 = lambda a: torch.as_tensor(a.view(cupy.int16), device="cuda").view(torch.bfloat16)  # noqa: E731
-    per_seq = [-(-n // page) for n in case.lens]
-    indptr = torch.tensor(np.concatenate([[0], np.cumsum(per_seq)]), dtype=torch.int32, device="cuda")
-    indices = torch.tensor(np.concatenate([table[i, :n] for i, n in enumerate(per_seq)]), dtype=torch.int32,
-                           device="cuda")
-    last = torch.tensor([n - (p - 1) * page if p else 0 for n, p in zip(case.lens, per_seq)], dtype=torch.int32,
-                        device="cuda")
-    workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for tensor_cores in (False, True):
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
-        wrapper.plan(indptr, indices, last, case.num_qo_heads, case.num_kv_heads, case.head_dim, page,
-                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        q_t, cache = as_bf16(q), (as_bf16(pages[0]), as_bf16(pages[1]))
-        out = torch.empty_like(q_t)
-        yield (lambda w=wrapper, q_t=q_t, cache=cache, out=out: w.run(q_t, cache, out=out)), (workspace, wrapper)
-
-
 def main(argv=None) -> int:
     import cupy
     import torch
@@ -158,7 +137,9 @@ def main(argv=None) -> int:
             best_splits = min(fixed, key=fixed.get)
             fi_us = None
             try:
-                for run, keep in flashinfer_case(torch, case, q, pages, fi_table):
+                for tensor_cores in (False, True):  # FlashInfer's two decode paths: the faster one counts
+                    run, _, keep = flashinfer_paged(torch, heads, q, *pages, fi_table, lens, case.page_size or 16,
+                                                    "NHD", tensor_cores)
                     t = statistics.median(harness.time(run))
                     fi_us = t if fi_us is None else min(fi_us, t)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not fatal

@@ -251,9 +251,7 @@ def _paging_args(block_table, batch: int, geometry, kv_layout: str) -> tuple:
     else:
         table = cupy.asarray(np.ascontiguousarray(np.asarray(block_table), dtype=np.int32))
         info = tensors.describe(table, "block_table")
-    if info.dtype != "int32" or info.ndim != 2 or info.shape[0] != batch or not info.is_contiguous:
-        raise ValueError(f"block_table: expected a contiguous int32 [{batch}, max_pages_per_seq] array, got "
-                         f"{info.dtype} {info.shape}")
+    tensors.check_block_table_info(info, batch)
     return (np.uint64(table.data.ptr), np.int32(info.shape[1]), np.int32(page_size), np.int32(kv_layout == "HND"),
             np.int32(num_pages), table)
 

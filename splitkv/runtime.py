@@ -306,7 +306,7 @@ class DecodeAttention:
             empty_kv_ptr = self._buffer("empty_kv", tile_bytes, np.uint8).data.ptr
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, max_planned,
                                grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
-                               tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace), span_args,
+                               _pointers(workspace), span_args,
                                empty_kv_ptr, table)
         self._validated_layout = None
         return plan
@@ -378,7 +378,7 @@ class DecodeAttention:
         units = _UnitTables(tables, np.uint64(tables.data.ptr), max_units, merge_blocks)
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, lens.size, int(host_lens.max(initial=0)),
                                (max_units, 1, 1), device_lens, workspace, np.uint64(device_lens.data.ptr),
-                               tuple(np.uint64(a.data.ptr if a is not None else 0) for a in workspace), (),
+                               _pointers(workspace), (),
                                0, table, units)
         self._validated_layout = None
         return plan
@@ -389,9 +389,7 @@ class DecodeAttention:
         host = None
         if tensors.is_device_array(block_table):
             info = tensors.describe(block_table, "block_table")
-            if info.dtype != "int32" or info.ndim != 2 or info.shape[0] != lens.size or not info.is_contiguous:
-                raise ValueError(f"block_table: expected a contiguous int32 [{lens.size}, max_pages_per_seq] array, "
-                                 f"got {info.dtype} {info.shape}")
+            tensors.check_block_table_info(info, lens.size)
             _check_device("block_table", info, self.device, "this DecodeAttention runs on")
             device_table, stride = tensors.to_cupy(block_table), info.shape[1]
             if validate:
@@ -721,6 +719,11 @@ def _kv_shape(k) -> tuple:
         k = k.values
     shape = getattr(k, "shape", None)
     return tuple(int(n) for n in (shape if shape is not None else tensors.describe(k, "k").shape))
+
+
+def _pointers(arrays) -> tuple:
+    """The device pointers of plan-owned CuPy arrays as launch arguments (0 for None)."""
+    return tuple(np.uint64(a.data.ptr if a is not None else 0) for a in arrays)
 
 
 def _data_ptr(x) -> int:

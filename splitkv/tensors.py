@@ -545,6 +545,13 @@ def _is_contiguous(shape: tuple, strides: tuple) -> bool:
 
 # ---- sequence lengths -------------------------------------------------------------------------
 
+def check_block_table_info(info: TensorInfo, batch: int) -> None:
+    """A device block table's layout: contiguous int32 ``[batch, max_pages_per_seq]``."""
+    if info.dtype != "int32" or info.ndim != 2 or info.shape[0] != batch or not info.is_contiguous:
+        raise ValueError(f"block_table: expected a contiguous int32 [{batch}, max_pages_per_seq] array, "
+                         f"got {info.dtype} {info.shape}")
+
+
 def check_seq_lens(seq_lens: Any, batch: int, max_len: int | None) -> np.ndarray | None:
     """Validate the per-sequence K/V lengths.
 

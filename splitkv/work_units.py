@@ -304,9 +304,7 @@ def may_route_to_units(seq_lens, num_kv_heads: int, tokens_per_split: int, slots
     load plus the longest job (Graham), and no unit plan beats the rows' average load. True means
     that the plans must be compared."""
     costs = costs if costs is not None else CostModel()
-    row_tokens = np.repeat(_check_lens(seq_lens).astype(np.int64), _positive_int("num_kv_heads", num_kv_heads))
-    per = _positive_int("tokens_per_split", tokens_per_split)
-    pieces = np.maximum(-(-row_tokens // per), 1)
+    row_tokens, per, pieces = _split_pieces(seq_lens, num_kv_heads, tokens_per_split)
     split_total = float(row_tokens.sum()) + costs.unit_overhead * float(pieces.sum())
     split_bound = split_total / slots + min(per, int(row_tokens.max(initial=0))) + costs.unit_overhead
     units_bound = (float(row_tokens.sum()) + costs.unit_overhead * row_tokens.size) / slots
@@ -319,12 +317,17 @@ def split_plan_makespan(seq_lens, num_kv_heads: int, tokens_per_split: int, slot
     ``tokens_per_split`` tokens (one piece per row for a dense plan: pass the longest length), one
     CTA each, in LPT order on ``slots`` slots. Merges are left out (clusters merge in place)."""
     costs = costs if costs is not None else CostModel()
-    row_tokens = np.repeat(_check_lens(seq_lens).astype(np.int64), _positive_int("num_kv_heads", num_kv_heads))
-    per = _positive_int("tokens_per_split", tokens_per_split)
-    pieces = np.maximum(-(-row_tokens // per), 1)
+    row_tokens, per, pieces = _split_pieces(seq_lens, num_kv_heads, tokens_per_split)
     last = row_tokens - (pieces - 1) * per
     full = np.full(int((pieces - 1).sum()), per, dtype=np.int64)
     return lpt_makespan(np.concatenate([full, last]) + costs.unit_overhead, slots)
+
+
+def _split_pieces(seq_lens, num_kv_heads: int, tokens_per_split: int):
+    """A split plan's rows: (tokens per row, tokens per split, pieces per row, at least one)."""
+    row_tokens = np.repeat(_check_lens(seq_lens).astype(np.int64), _positive_int("num_kv_heads", num_kv_heads))
+    per = _positive_int("tokens_per_split", tokens_per_split)
+    return row_tokens, per, np.maximum(-(-row_tokens // per), 1)
 
 
 def _partials(ways):

@@ -2,6 +2,8 @@
 
     splitkv-gen --arch sm90 [--head-dim 64,128] [--group 1,4,8] [--dtype bf16,fp16,fp8_e4m3,nvfp4]
                 [--emit DIR] [--list] [--jobs N]
+    splitkv-gen --arch sm90 --tune [--head-dim ..] [--dtype ..] [--trials N] [--timeout S]
+                [--storage URL] [--study NAME] [--devices 0,1] [--report DIR] [--out DIR]
     splitkv-gen bench [ARGS...]          # forwarded to `python -m splitkv.bench`
 
 Heavy imports (the code generator, CuPy, the benchmark) happen inside the functions that need them,
@@ -20,10 +22,6 @@ from pathlib import Path
 #: Lines of the NVRTC log shown for a failed kernel; the full log is one `--emit` or source away.
 LOG_LINES = 12
 
-TUNE_UNAVAILABLE = ("splitkv-gen: autotuning (--tune) is not available in splitkv {version}; "
-                    "autotuning and the tuned tables it writes come with a later release. Until "
-                    "then the runtime chooses CTA shapes with its built-in heuristic.")
-
 #: Exit status when the reader of our output went away (`splitkv-gen --list | head -1`): what a
 #: process killed by SIGPIPE reports to the shell.
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE is 13 (the signal module has no SIGPIPE on Windows)
@@ -36,6 +34,7 @@ subcommands:
 examples:
   splitkv-gen --arch sm90 --list
   splitkv-gen --arch sm90 --head-dim 128 --group 4,8 --emit build/kernels
+  splitkv-gen --arch sm90 --tune --head-dim 128 --group 4 --storage tune.log --out my_tables
   splitkv-gen bench --help
 """
 
@@ -88,8 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
                    help="compile N kernels at a time (default: number of CPUs)")
     p.add_argument("--tune", action="store_true",
-                   help="autotune and write a tuned table (not available in this version)")
+                   help="measure candidate CTA shapes on this GPU (Optuna) and write the winners to a tuned table")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    from splitkv.autotune.cli import add_arguments
+
+    add_arguments(p)
     return p
 
 
@@ -303,9 +305,7 @@ def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
 
-    if args.tune:
-        print(TUNE_UNAVAILABLE.format(version=_version()), file=sys.stderr)
-        return 2
+    args.argv = argv
     if args.arch is None:
         parser.error("--arch is required (for example --arch sm90)")
     if args.jobs is not None and args.jobs < 1:
@@ -321,6 +321,10 @@ def _main(argv) -> int:
     for page_size in page_sizes:
         if page_size not in (0, *PAGE_SIZES):
             parser.error(f"--page-size: {page_size} is not supported; choose 0 (contiguous) or one of {list(PAGE_SIZES)}")
+    if args.tune:
+        from splitkv.autotune import cli as tune_cli
+
+        return tune_cli.run(args, parser, arch, head_dims, group_sizes, kv_dtypes, page_sizes)
 
     from splitkv import codegen
 

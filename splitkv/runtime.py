@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 import threading
@@ -21,6 +22,8 @@ from collections import OrderedDict
 import numpy as np
 
 from . import paged, streams, tensors
+from .autotune import lookup
+from .autotune.keys import TuneKey
 from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clusters
 from .quantize import QuantizedKV
 from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
@@ -92,6 +95,11 @@ class DecodeAttention:
     ``device``: the CUDA device it runs on (default: CuPy's current device when it is built);
     plan() and run() switch to it, whatever device is current when they are called.
 
+    Without ``spec`` and ``dense_spec``, plan() takes both programs from the tuned table of this GPU
+    (`splitkv.autotune.lookup`: the entry of the workload bucket nearest the planned lengths),
+    else the built-in heuristic; ``tuned=False`` keeps the built-in heuristic. ``tuned_source``
+    says which table was found (None: none), ``tuned_entry`` which entry the last plan used.
+
     ``page_size`` (None: contiguous caches ``[B, L, Hkv, D]``): run() reads paged caches of pages of
     that many tokens, ``kv_layout`` 'NHD' ``[num_pages, page_size, Hkv, D]`` or 'HND'
     ``[num_pages, Hkv, page_size, D]``, through the ``block_table`` given to plan().
@@ -105,7 +113,7 @@ class DecodeAttention:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: str = "bf16",
                  kv_dtype: str = "bf16", sm_scale: float | None = None, spec: KernelSpec | None = None,
                  dense_spec: KernelSpec | None = None, device: int | None = None, page_size: int | None = None,
-                 kv_layout: str = "NHD"):
+                 kv_layout: str = "NHD", tuned: bool = True):
         import cupy
 
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -148,6 +156,14 @@ class DecodeAttention:
         else:
             self.dense_spec = base.replace(arch=self.arch, **paging).as_dense()
         self._whole_row_clusters = takes_whole_row_clusters(self.split_spec)
+        if not isinstance(tuned, bool):
+            raise TypeError(f"tuned: expected True or False, got {tuned!r}")
+        self._tuned = None
+        if tuned and spec is None and dense_spec is None:
+            key = TuneKey(head_dim, self.group_size, q_dtype, kv_dtype, self.page_size, kv_layout)
+            self._tuned = lookup.find(self.arch, gpu_name(self.device), key)
+        self.tuned_source = self._tuned.source if self._tuned else None
+        self.tuned_entry = None
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
@@ -223,6 +239,9 @@ class DecodeAttention:
             # plan for the longest one allowed. Host lengths are copied here and cannot grow.
             host_lens = lens.copy()
             host_lens[int(np.argmax(host_lens))] = int(max_len)
+        if self._tuned is not None and self._use_tuned(batch * self.num_kv_heads, int(host_lens.max(initial=0))) \
+                and variant is None:
+            variant = "dense"  # the tuned program of this bucket is dense: the tuner found no split faster
         if variant == "units":
             if num_splits is not None or warp_heads:
                 raise ValueError("variant: 'units' plans take neither num_splits nor warp_heads")
@@ -310,6 +329,17 @@ class DecodeAttention:
                                empty_kv_ptr, table)
         self._validated_layout = None
         return plan
+
+    def _use_tuned(self, rows: int, max_len: int) -> bool:
+        """Take the programs of the tuned entry nearest this workload; True when it is dense only."""
+        entry = self._tuned.entry_for(rows, max_len)
+        split, dense, dense_only = lookup.programs(entry.spec if entry else None, self.arch, self._tuned.key)
+        if split != self.split_spec:
+            self.split_spec = split
+            self._whole_row_clusters = takes_whole_row_clusters(split)
+            self._cluster_fit.clear()
+        self.dense_spec, self.tuned_entry = dense, entry
+        return dense_only
 
     def _device_lens(self, seq_lens, lens: np.ndarray):
         """The lengths the programs read: the caller's device array (lengths it rewrites in place
@@ -659,6 +689,15 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
 # ---- helpers -----------------------------------------------------------------------------------
 #: CUDA's limit on a launch grid's y and z extents (K/V heads and sequences here).
 _MAX_GRID_YZ = 65535
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_name(device: int) -> str:
+    """The driver's name of a device ('NVIDIA H200'): the tuned table it looks for."""
+    import cupy
+
+    name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 def _checked_sm_scale(sm_scale) -> float | None:

@@ -269,12 +269,16 @@ def test_unexpected_error_in_one_kernel_is_reported_per_kernel(fake, capsys):
 
 # ---- usage errors and unavailable features ----------------------------------------------------
 
-def test_tune_is_not_available_yet(fake, capsys):
-    code, out, err = run(capsys, "--arch", "sm90", "--tune")
+def test_tune_refuses_without_a_gpu_of_the_arch(fake, capsys, monkeypatch):
+    pytest.importorskip("optuna")
+    from splitkv import bench
+
+    def no_gpu():
+        raise RuntimeError("no CUDA driver")
+    monkeypatch.setattr(bench, "gpu_info", no_gpu)
+    code, out, err = run(capsys, "--arch", "sm90", "--tune", "--head-dim", "128", "--group", "4", "--dtype", "bf16")
     assert code == 2
-    assert "not available" in err and "later release" in err
-    # Nothing reads tuned tables yet, so the message must not promise that something does.
-    assert "built-in heuristic" in err and "tuned_configs" not in err
+    assert "--tune measures on a GPU of sm_90" in err and "no CUDA driver" in err
     assert fake.calls == [] and fake.compiled == []
 
 

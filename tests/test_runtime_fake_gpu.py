@@ -50,7 +50,7 @@ class _Buffer:
 
 
 @pytest.fixture
-def fake_gpu(monkeypatch):
+def fake_gpu(monkeypatch, tmp_path):
     import cupy
 
     from splitkv import tensor_map
@@ -126,6 +126,14 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(streams, "_wait", lambda ptr, event, in_capture=False: record.event_waits.append((ptr, event.ptr)))
     monkeypatch.setattr(streams, "is_capturing", lambda ptr: False)
     monkeypatch.setattr(runtime, "_instances", type(runtime._instances)())
+    # Tuned tables: none shipped, none in a user folder, unless a test writes one to record.tables.
+    from splitkv.autotune import lookup
+
+    record.tables = tmp_path / "tuned"
+    monkeypatch.setattr(runtime, "gpu_name", lambda device: "NVIDIA Fake GPU")
+    monkeypatch.setattr(lookup, "shipped_dir", lambda: tmp_path / "shipped")
+    monkeypatch.setenv(lookup.ENV_DIR, str(record.tables))
+    lookup.forget()
     return record
 
 

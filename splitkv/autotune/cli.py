@@ -1,0 +1,337 @@
+"""`splitkv-gen --arch sm90 --tune ...`: tune every (key, bucket) asked for, write the table.
+
+In one process by default, on the current GPU. ``--devices 0,1`` starts one worker process per
+listed GPU (a GPU may be listed twice: two workers share it); the workers share each study's trials
+through ``--storage``, and this process then confirms each study's winners on the first device and
+writes the table. A run that is stopped resumes from the storage: finished trials are kept, and
+the table is written after every study, so what was finished is never lost.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .. import spec as spec_module
+from .keys import BUCKETS, TuneKey, parse_bucket, study_name
+from .lookup import COST_MODEL_GPU
+
+#: Head dims, groups of the default tuning run (the shipped table); every K/V dtype of the arch.
+DEFAULT_HEAD_DIMS = (64, 128, 256)
+DEFAULT_GROUPS = (1, 4, 8)
+DEFAULT_TRIALS = 24
+WORKER_FLAG = "--tune-worker"
+
+
+def keys_for(arch: str, head_dims, group_sizes, kv_dtypes, page_sizes, kv_layout) -> list[TuneKey]:
+    """The keys to tune: 16-bit K/V with queries of their own type, quantized ones with bf16 queries."""
+    head_dims = head_dims or DEFAULT_HEAD_DIMS
+    group_sizes = group_sizes or DEFAULT_GROUPS
+    kv_dtypes = kv_dtypes or tuple(d for d in spec_module.KV_DTYPES if d not in spec_module.QUANTIZED_KV_DTYPES
+                                   or spec_module.arch_number(arch) >= 89)
+    keys = []
+    for kv_dtype in kv_dtypes:
+        q_dtype = kv_dtype if kv_dtype in spec_module.Q_DTYPES else "bf16"
+        for head_dim in head_dims:
+            if kv_dtype == "nvfp4" and head_dim % 64:
+                continue
+            for group in group_sizes:
+                for page_size in page_sizes or (0,):
+                    keys.append(TuneKey(head_dim, group, q_dtype, kv_dtype, page_size,
+                                        kv_layout if page_size else "NHD"))
+    return keys
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("tuning (--tune)")
+    g.add_argument("--trials", type=int, default=DEFAULT_TRIALS, metavar="N",
+                   help=f"trials per study, counting those already in --storage (default {DEFAULT_TRIALS})")
+    g.add_argument("--timeout", type=float, default=None, metavar="S", help="stop a study's search after S seconds")
+    g.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna storage shared by workers and resumed runs: sqlite:///tune.db, postgresql://..., "
+                        "or a journal file (tune.log)")
+    g.add_argument("--study", default="", metavar="NAME", help="prefix of the study names (default none)")
+    g.add_argument("--devices", default=None, metavar="0,1",
+                   help="one worker process per listed GPU (a GPU listed twice runs two workers); needs --storage")
+    g.add_argument("--bucket", dest="buckets", action="append", metavar="NAME,...",
+                   help="workload buckets, e.g. b1-l32k (default: " + ",".join(b.name for b in BUCKETS) + ")")
+    g.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="write the table under DIR/<arch>/ (default: the package's tuned_configs)")
+    g.add_argument("--report", type=Path, default=None, metavar="DIR", help="write plots and a markdown summary to DIR")
+    g.add_argument("--exhaustive", action="store_true",
+                   help="also measure every candidate of each study's space, and record how the search compares")
+    g.add_argument("--iters", type=int, default=30, metavar="N", help="timed calls per measurement (default 30)")
+    g.add_argument("--seed", type=int, default=0, help="sampler and input seed (default 0)")
+    g.add_argument("--cost-model", action="store_true",
+                   help="score candidates with the cost model instead of the GPU (a dry run: figures are "
+                        "predictions, and no table is written unless --out is given)")
+    g.add_argument(WORKER_FLAG, dest="tune_worker", action="store_true", help="(internal) run trials only")
+
+
+def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) -> int:
+    from . import search
+
+    if args.trials < 1:
+        parser.error(f"--trials: expected a positive number, got {args.trials}")
+    try:
+        buckets = [parse_bucket(b.strip()) for group in (args.buckets or []) for b in group.split(",") if b.strip()] \
+            or list(BUCKETS)
+    except ValueError as e:
+        parser.error(f"--{e}")
+    keys = keys_for(arch, head_dims, group_sizes, kv_dtypes, page_sizes, args.kv_layout)
+    devices = _devices(parser, args.devices)
+    workers = bool(devices) and (len(devices) > 1 or devices[0] != 0)
+    if workers and not args.storage:
+        parser.error("--devices: workers share their studies through --storage (e.g. --storage tune.log)")
+    try:
+        search._optuna()
+    except ImportError as e:
+        print(f"splitkv-gen: {e}", file=sys.stderr)
+        return 2
+    if workers and not args.cost_model:  # this process confirms the winners on the first listed GPU
+        import cupy
+
+        cupy.cuda.Device(devices[0]).use()
+    gpu = _check_gpu(arch, args.cost_model)
+    if isinstance(gpu, int):
+        return gpu
+    args.storage_handle = search.make_storage(args.storage)  # one handle: an in-memory study lives in it
+    studies = [(key, bucket) for key in keys for bucket in buckets]
+    print(f"tuning {len(keys)} keys x {len(buckets)} buckets = {len(studies)} studies of {args.trials} trials "
+          f"on {gpu['name']} ({arch})", file=sys.stderr)
+    if args.tune_worker:
+        return _search_all(args, arch, gpu, studies, progress=False)
+    if workers:
+        rc = _run_workers(args, devices, studies)
+        if rc:
+            return rc
+        return _finish_all(args, arch, gpu, studies)
+    # One process: each study is searched, confirmed and written before the next starts.
+    return _finish_all(args, arch, gpu, studies, search_first=True)
+
+
+def _devices(parser, text):
+    if text is None:
+        return None
+    try:
+        devices = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--devices: expected comma-separated GPU ordinals, got {text!r}")
+    if not devices or min(devices) < 0:
+        parser.error(f"--devices: expected comma-separated GPU ordinals, got {text!r}")
+    return devices
+
+
+def _check_gpu(arch: str, cost_model: bool):
+    """The local GPU's name, SM count, versions; an exit status when it is not of ``arch``."""
+    if cost_model:
+        return dict(name=COST_MODEL_GPU, sm_count=132, cuda_runtime="n/a", nvrtc="n/a")
+    try:
+        from ..bench import gpu_info
+
+        info = gpu_info()
+    except Exception as e:  # noqa: BLE001 - no driver, no device
+        print(f"splitkv-gen: --tune measures on a GPU of {arch}, and none is usable here "
+              f"({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    if spec_module.arch_number(info["arch"]) != spec_module.arch_number(arch):
+        print(f"splitkv-gen: --arch {arch} asks for tuning on {arch}, but this GPU ({info['name']}) is "
+              f"{info['arch']}; tune each arch on its own GPUs", file=sys.stderr)
+        return 2
+    return dict(name=info["name"], sm_count=info["sm_count"], cuda_runtime=info["cuda_runtime_version"],
+                nvrtc=info["nvrtc_version"] or "unknown")
+
+
+def _objective(args, key, bucket, arch):
+    if args.cost_model:
+        from .costmodel import CostModelObjective
+
+        return CostModelObjective(key, bucket, arch)
+    from .measure import GpuObjective
+
+    return GpuObjective(key, bucket, iters=args.iters, seed=args.seed, jobs=os.cpu_count() or 1)
+
+
+def _study(args, gpu, arch, key, bucket):
+    from . import search
+
+    study = search.open_study(study_name(args.study, gpu["name"], arch, key, bucket), args.storage_handle, args.seed)
+    search.enqueue_defaults(study, key, bucket, arch)
+    return study
+
+
+def _search_all(args, arch, gpu, studies, progress: bool) -> int:
+    """Every study's search, no confirmation and no table: what a worker does."""
+    overall = _bar(progress, total=len(studies) * args.trials, desc="all studies", position=0)
+    for key, bucket in studies:
+        _search(args, gpu, arch, key, bucket, _objective(args, key, bucket, arch), overall, progress)
+    if overall is not None:
+        overall.close()
+    return 0
+
+
+def _search(args, gpu, arch, key, bucket, objective, overall, progress: bool):
+    """Run the study's remaining trials; returns the study."""
+    from . import search
+
+    study = _study(args, gpu, arch, key, bucket)
+    done = len(search.finished(study))
+    if overall is not None:
+        overall.update(min(done, args.trials))
+    if done < args.trials:
+        bar = _bar(progress, total=args.trials, initial=done, desc=f"{key.label} {bucket.name}", position=1,
+                   leave=False)
+        search.run_trials(study, key, arch, objective, trials=args.trials, timeout=args.timeout,
+                          progress=_Both(bar, overall))
+        if bar is not None:
+            bar.close()
+    return study
+
+
+def _run_workers(args, devices, studies) -> int:
+    """One worker process per listed device, each with only that GPU visible; overall progress is
+    read from the shared storage while they run."""
+    argv = _without_devices(args.argv)
+    log_dir = Path(tempfile.mkdtemp(prefix="splitkv-tune-workers-"))
+    workers = []
+    for index, device in enumerate(devices):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device))
+        log = open(log_dir / f"worker-{index}-gpu{device}.log", "w")  # noqa: SIM115 - closed below
+        workers.append((subprocess.Popen([sys.executable, "-m", "splitkv.cli", *argv, WORKER_FLAG], env=env,
+                                         stdout=log, stderr=subprocess.STDOUT), log, device))
+    print(f"started {len(workers)} workers on devices {devices}; their logs are in {log_dir}", file=sys.stderr)
+    overall = _bar(True, total=len(studies) * args.trials, desc="all studies (all workers)", position=0)
+    try:
+        while any(p.poll() is None for p, _, _ in workers):
+            time.sleep(2.0)
+            if overall is not None:
+                overall.n = _count_finished(args, studies)
+                overall.refresh()
+    finally:
+        for p, log, _ in workers:
+            if p.poll() is None:
+                p.terminate()
+            p.wait()
+            log.close()
+        if overall is not None:
+            overall.close()
+    failed = [(device, p.returncode) for p, _, device in workers if p.returncode]
+    for device, rc in failed:
+        print(f"splitkv-gen: the worker on device {device} exited with status {rc} (its log is in {log_dir})",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _without_devices(argv) -> list:
+    """The command line for a worker: this one without --devices (as '--devices X' or '--devices=X')."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--devices":
+            skip = True
+        elif not arg.startswith("--devices="):
+            out.append(arg)
+    return out
+
+
+def _count_finished(args, studies) -> int:
+    from . import search
+
+    total = 0
+    optuna = search._optuna()
+    names = {s.study_name: s for s in optuna.get_all_study_summaries(args.storage_handle)}
+    for key, bucket in studies:
+        for name, summary in names.items():
+            if name.endswith(f"-{key.label}-{bucket.name}"):
+                total += min(summary.n_trials, args.trials)
+    return total
+
+
+def _finish_all(args, arch, gpu, studies, search_first: bool = False) -> int:
+    """Confirm each study's winner against the built-in choice (searching it first, in one-process
+    runs), write it to the table at once, print the summary."""
+    from . import search, space, tables
+    from .lookup import shipped_dir
+
+    header = tables.make_header(gpu["name"], arch, gpu["sm_count"], gpu["cuda_runtime"], gpu["nvrtc"], _version())
+    out_dir = args.out
+    if out_dir is None and not args.cost_model:
+        out_dir = shipped_dir()
+    path = tables.table_path(out_dir, arch, gpu["name"]) if out_dir is not None else None
+    outcomes = []
+    overall = _bar(search_first, total=len(studies) * args.trials, desc="all studies", position=0)
+    for key, bucket in studies:
+        objective = _objective(args, key, bucket, arch)
+        if search_first:
+            study = _search(args, gpu, arch, key, bucket, objective, overall, True)
+        else:
+            study = _study(args, gpu, arch, key, bucket)
+        if not search.best_specs(study, key, arch, 1):
+            print(f"splitkv-gen: {key.label} {bucket.name}: no candidate succeeded; nothing written for it",
+                  file=sys.stderr)
+            continue
+        compared = None
+        if args.exhaustive:
+            bar = _bar(True, total=len(space.enumerate_specs(key, arch)[0]), desc=f"exhaustive {key.label} {bucket.name}",
+                       position=0)
+            results = search.exhaustive(key, arch, objective, progress=bar)
+            if bar is not None:
+                bar.close()
+            compared = search.compare_with_exhaustive(study, results)
+        outcome = search.finish(study, key, bucket, arch, objective, iters=args.iters * 2, exhaustive=compared)
+        if compared is not None and outcome.entry.spec is not None:
+            compared["tuned_spec_us"] = results.get(outcome.entry.spec.name)
+        outcomes.append(outcome)
+        if path is not None:
+            tables.save(path, header, [outcome.entry])
+    if overall is not None:
+        overall.close()
+    print(format_summary([o.entry for o in outcomes]))
+    if path is not None and outcomes:
+        print(f"wrote {len(outcomes)} entries to {path}", file=sys.stderr)
+    if args.report is not None and outcomes:
+        from . import report
+
+        written = report.write(args.report, outcomes, header)
+        print(f"wrote the report to {written}", file=sys.stderr)
+    return 0 if outcomes else 1
+
+
+def format_summary(entries) -> str:
+    rows = [("key", "bucket", "default µs", "tuned µs", "speedup", "% copy bw", "tuned program")]
+    for e in entries:
+        rows.append((e.key.label, e.bucket.name, f"{e.default_us:.2f}", f"{e.tuned_us:.2f}", f"{e.speedup:.3f}x",
+                     "-" if e.bandwidth_pct is None else f"{e.bandwidth_pct:.1f}",
+                     "built-in" if e.spec is None else e.spec.name))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+class _Both:
+    def __init__(self, *bars):
+        self.bars = [b for b in bars if b is not None]
+
+    def update(self, n):
+        for b in self.bars:
+            b.update(n)
+
+
+def _bar(enabled: bool, **kwargs):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm comes with Optuna; without it, no bars
+        return None
+    return tqdm(file=sys.stderr, dynamic_ncols=True, **kwargs)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

@@ -1,0 +1,58 @@
+"""A cost-model objective: predicted µs without a GPU.
+
+Not a measurement: it exists so that the search, its storage, resuming and the tables can be run
+and tested where there is no GPU (CI, a laptop), and it is named as such wherever its figures
+appear. The model: the bucket's K/V bytes at a bandwidth that grows with the bytes in flight
+(CTAs x warps x stages x tile bytes, saturating), one launch, the waves of CTAs the planner's
+split count needs, and a merge per split row; plus small per-field preferences, so the search has a
+landscape with a known best point to find.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..spec import KernelSpec
+from .keys import REFERENCE_KV_HEADS, Bucket, TuneKey
+from .objective import Measurement, Objective
+
+#: Model constants (H200-like): µs and bytes per µs.
+LAUNCH_US = 4.0
+PEAK_BYTES_PER_US = 4.2e6
+SATURATING_BYTES_IN_FLIGHT = 12 * 1024 * 1024
+MERGE_US = 2.0
+NUM_SMS = 132
+
+
+class CostModelObjective(Objective):
+    name = "cost model (predicted µs, not measured)"
+
+    def __init__(self, key: TuneKey, bucket: Bucket, arch: str = "sm_90"):
+        self.key, self.bucket, self.arch = key, bucket, arch
+        self.calls = 0
+
+    def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
+        from ..heuristics import default_spec
+
+        self.calls += 1
+        if spec is None:
+            spec = default_spec(self.arch, self.key.head_dim, self.key.group_size, self.key.q_dtype,
+                                self.key.kv_dtype, "split", self.key.page_size, self.key.kv_layout)
+        return Measurement(predict_us(spec, self.bucket))
+
+
+def predict_us(spec: KernelSpec, bucket: Bucket) -> float:
+    rows = bucket.batch * REFERENCE_KV_HEADS
+    kv_bytes = rows * bucket.seq_len * spec.kv_bytes_per_token
+    splits = 1
+    if spec.variant == "split":
+        splits = max(1, min(NUM_SMS // rows, math.ceil(bucket.seq_len / spec.chunk_size)))
+    ctas = rows * splits
+    in_flight = min(ctas, NUM_SMS * 2) * spec.warps * spec.stages * spec.tile_bytes * 2
+    bandwidth = PEAK_BYTES_PER_US * (1 - math.exp(-in_flight / SATURATING_BYTES_IN_FLIGHT))
+    waves = math.ceil(ctas / (NUM_SMS * 2))
+    stream = kv_bytes / bandwidth * (1 + 0.1 * (waves - 1))
+    merge = 0.0 if splits == 1 else MERGE_US * (0.5 if spec.cluster > 1 else 1.0)
+    prefs = (0.3 * (spec.kv_copy != "tma") + 0.2 * (spec.mma_m != "tokens") + 0.1 * (spec.stages == 4)
+             + 0.05 * spec.chunk_size / 256)
+    return LAUNCH_US + stream + merge + prefs

@@ -1,0 +1,34 @@
+"""What the search asks of an objective, whichever measures it (the GPU, or a cost model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One candidate on one bucket: median µs (CUDA events, cold L2, for the GPU objective), the
+    share of the copy bandwidth measured in the same run, and anything else worth keeping."""
+
+    us: float
+    bandwidth_pct: float | None = None
+    detail: dict = field(default_factory=dict)
+
+
+class TrialFailed(Exception):
+    """A candidate that did not compile, launch or match the reference: a failed trial, with the
+    reason recorded, never a crash of the run and never a winner."""
+
+
+class Objective:
+    """``prepare(specs)`` gets candidates ready (compiles them, in parallel) and returns the
+    reason each one that failed did; ``measure(spec)`` times one (None: the built-in choice, planned
+    as the runtime plans it) and raises `TrialFailed`. ``name`` says what the figures are."""
+
+    name = "objective"
+
+    def prepare(self, specs) -> dict:
+        return {}
+
+    def measure(self, spec, iters: int | None = None) -> Measurement:
+        raise NotImplementedError

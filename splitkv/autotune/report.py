@@ -1,0 +1,118 @@
+"""`--report DIR`: what a tuning run found, as JSON, markdown and PNG plots.
+
+- ``results.json``: every study's entry, its trials and the confirmation round;
+- ``summary.md``: the summary table (key, bucket, default µs, tuned µs, speedup, % copy bandwidth),
+  and the exhaustive comparison where it was run;
+- ``chunk-<key>.png``: µs against chunk size of every completed trial, a panel per bucket;
+- ``bandwidth-<key>.png``: % of the copy bandwidth against context length, tuned and default
+  (and peers, when a sweep measured them: `sweep`).
+
+Plots need matplotlib (``pip install 'splitkv[tune]'``); without it the JSON and markdown are
+still written and the summary says the plots were skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def write(directory: Path, outcomes, header: dict, sweeps: dict | None = None) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    data = dict(header=header, objective=outcomes[0].objective if outcomes else None,
+                studies=[dict(entry=o.entry.to_dict(), confirm=o.confirm, trials=o.trials) for o in outcomes],
+                sweeps=sweeps or {})
+    (directory / "results.json").write_text(json.dumps(data, indent=1, default=str))
+    plots = _plots(directory, outcomes, sweeps or {})
+    (directory / "summary.md").write_text(markdown(outcomes, header, plots))
+    return directory
+
+
+def markdown(outcomes, header: dict, plots) -> str:
+    from .cli import format_summary
+
+    lines = [f"# Tuning report: {header['gpu']} ({header['arch']}), {header['date']}", "",
+             f"splitkv {header['splitkv']}, CUDA runtime {header['cuda_runtime']}, NVRTC {header['nvrtc']}, "
+             f"{header['sm_count']} SMs. Objective: {outcomes[0].objective if outcomes else '-'}.", "",
+             "```", format_summary([o.entry for o in outcomes]), "```", ""]
+    compared = [o.entry for o in outcomes if o.entry.exhaustive]
+    if compared:
+        lines += ["## Against exhaustive search of the same space", "",
+                  "| key | bucket | points | exhaustive best µs | tuned program's µs there | within | trials to 3% |",
+                  "|---|---|---|---|---|---|---|"]
+        for e in compared:
+            x = e.exhaustive
+            mine = x.get("tuned_spec_us")
+            within = f"{100 * (mine / x['best_us'] - 1):+.1f}%" if mine else "built-in kept"
+            lines.append(f"| {e.key.label} | {e.bucket.name} | {x['points']} | {x['best_us']} | {mine or '-'} | "
+                         f"{within} | {x.get('trials_to_within_3pct') or '-'} |")
+        lines.append("")
+    if plots is None:
+        lines.append("Plots skipped: matplotlib is not installed.")
+    else:
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _plots(directory: Path, outcomes, sweeps: dict):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    written = []
+    by_key = defaultdict(list)
+    for o in outcomes:
+        by_key[o.entry.key].append(o)
+    for key, group in by_key.items():
+        fig, axes = plt.subplots(1, len(group), figsize=(4.2 * len(group), 3.4), squeeze=False)
+        for ax, o in zip(axes[0], group):
+            for variant, marker in (("dense", "s"), ("split", "o")):
+                pts = [(t["chunk_size"], t["us"]) for t in o.trials
+                       if t["state"] == "COMPLETE" and t["us"] is not None and t["variant"] == variant]
+                if pts:
+                    ax.scatter(*zip(*pts), marker=marker, alpha=0.6, label=variant)
+            ax.axhline(o.entry.default_us, color="grey", linestyle="--", linewidth=1, label="built-in")
+            ax.set_xscale("log", base=2)
+            ax.set_title(o.entry.bucket.name, fontsize=9)
+            ax.set_xlabel("chunk size (tokens)")
+            ax.set_ylabel("µs")
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{key.label}: every completed trial", fontsize=10)
+        fig.tight_layout()
+        path = directory / f"chunk-{key.label}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+        sweep = sweeps.get(key.label)
+        if sweep:
+            written.append(_bandwidth_plot(plt, directory, key, sweep))
+    return written
+
+
+def _bandwidth_plot(plt, directory: Path, key, sweep: dict) -> Path:
+    """``sweep``: {'lengths': [...], series name: [% copy bandwidth or None per length]}."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    lengths = sweep["lengths"]
+    for name, values in sweep.items():
+        if name == "lengths":
+            continue
+        pts = [(n, v) for n, v in zip(lengths, values) if v is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens), batch 1")
+    ax.set_ylabel("% of copy bandwidth")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(key.label, fontsize=10)
+    fig.tight_layout()
+    path = directory / f"bandwidth-{key.label}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

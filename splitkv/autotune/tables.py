@@ -1,0 +1,267 @@
+"""Tuned tables: one YAML file per GPU model, ``<arch>/<GPU_NAME>.yaml``.
+
+::
+
+    schema: 1
+    gpu: NVIDIA H200
+    arch: sm_90
+    sm_count: 132
+    cuda_runtime: "13.0"
+    nvrtc: "13.0"
+    splitkv: 0.1.0
+    date: "2026-11-30"
+    entries:
+    - key: {head_dim: 128, group_size: 4, q_dtype: bf16, kv_dtype: bf16, layout: contiguous}
+      bucket: {name: b1-l32k, batch: 1, seq_len: 32768}
+      spec: {variant: split, chunk_size: 128, warps: 4, tile_tokens: 32, stages: 2, ...}
+      tuned_us: 37.9            # median, CUDA events, cold L2
+      bandwidth_pct: 83.1       # of the copy bandwidth measured in the same run
+      default_us: 38.2          # the built-in heuristic, same run
+      trials: 40
+      date: "2026-11-30"
+      exhaustive: {best_us: 37.8, points: 252, trials_to_within_3pct: 17}   # when it was run
+
+``spec`` holds every KernelSpec field but the arch and the key's own; ``spec: null`` says the
+built-in choice was measured best, and the runtime keeps it. Entries are sorted by key and
+bucket, so a table written twice from the same results is the same file. `save` merges: it reads
+what is there, replaces the entries it has new figures for, keeps the rest, and replaces the
+file atomically (a temporary file renamed over it) under a lock, so concurrent writers lose
+nothing and a reader never sees half a file. A file that cannot be read as a table raises
+`TableError` naming the file and what is wrong with it; `save` refuses to overwrite it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..spec import KernelSpec, parse_arch
+from .keys import Bucket, TuneKey, gpu_file_stem
+
+SCHEMA = 1
+HEADER_FIELDS = ("schema", "gpu", "arch", "sm_count", "cuda_runtime", "nvrtc", "splitkv", "date")
+ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "bandwidth_pct", "default_us", "trials", "date", "exhaustive")
+#: KernelSpec fields an entry's spec leaves out: the table's arch, and the key's fields.
+_KEY_SPEC_FIELDS = ("arch", "head_dim", "group_size", "q_dtype", "kv_dtype", "page_size", "kv_layout")
+
+
+class TableError(ValueError):
+    """A tuned table that cannot be used: the file and the reason."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The tuned choice of one (key, bucket) on one GPU model, with the figures behind it."""
+
+    key: TuneKey
+    bucket: Bucket
+    spec: KernelSpec | None  # None: the built-in choice was best
+    tuned_us: float
+    default_us: float
+    bandwidth_pct: float | None = None
+    trials: int = 0
+    date: str = ""
+    exhaustive: dict | None = None
+
+    @property
+    def speedup(self) -> float:
+        return self.default_us / self.tuned_us if self.tuned_us > 0 else float("nan")
+
+    def sort_key(self) -> tuple:
+        return (self.key, self.bucket.rows, self.bucket.seq_len, self.bucket.name)
+
+    def to_dict(self) -> dict:
+        spec = None
+        if self.spec is not None:
+            spec = {k: v for k, v in self.spec.to_dict().items() if k not in _KEY_SPEC_FIELDS}
+        out = dict(key=self.key.to_dict(),
+                   bucket=dict(name=self.bucket.name, batch=self.bucket.batch, seq_len=self.bucket.seq_len),
+                   spec=spec, tuned_us=_round(self.tuned_us), bandwidth_pct=_round(self.bandwidth_pct),
+                   default_us=_round(self.default_us), trials=int(self.trials), date=self.date)
+        if self.exhaustive:
+            out["exhaustive"] = dict(self.exhaustive)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict, arch: str) -> "Entry":
+        if not isinstance(data, dict):
+            raise ValueError(f"an entry must be a mapping, got {type(data).__name__}")
+        unknown = set(data) - set(ENTRY_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown entry fields {sorted(unknown)}")
+        missing = {"key", "bucket", "spec", "tuned_us", "default_us"} - set(data)
+        if missing:
+            raise ValueError(f"entry lacks {sorted(missing)}")
+        key = TuneKey.from_dict(_mapping(data["key"], "key"))
+        b = _mapping(data["bucket"], "bucket")
+        bucket = Bucket(str(b["name"]), int(b["batch"]), int(b["seq_len"]))
+        spec = None
+        if data["spec"] is not None:
+            fields = _mapping(data["spec"], "spec")
+            clash = set(fields) & set(_KEY_SPEC_FIELDS)
+            if clash:
+                raise ValueError(f"spec repeats the key's fields {sorted(clash)}")
+            spec = KernelSpec.from_dict({**fields, "arch": arch, **key.spec_fields()})
+        exhaustive = data.get("exhaustive")
+        if exhaustive is not None:
+            exhaustive = dict(_mapping(exhaustive, "exhaustive"))
+        return cls(key, bucket, spec, float(data["tuned_us"]), float(data["default_us"]),
+                   None if data.get("bandwidth_pct") is None else float(data["bandwidth_pct"]),
+                   int(data.get("trials", 0)), str(data.get("date", "")), exhaustive)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A header (see the module notes) and entries."""
+
+    header: dict
+    entries: tuple
+
+    @property
+    def arch(self) -> str:
+        return self.header["arch"]
+
+    @property
+    def gpu(self) -> str:
+        return self.header["gpu"]
+
+    def for_key(self, key: TuneKey) -> list:
+        return [e for e in self.entries if e.key == key]
+
+
+def make_header(gpu: str, arch: str, sm_count: int, cuda_runtime: str, nvrtc: str, splitkv: str,
+                date: str | None = None) -> dict:
+    return dict(schema=SCHEMA, gpu=gpu, arch=parse_arch(arch), sm_count=int(sm_count), cuda_runtime=str(cuda_runtime),
+                nvrtc=str(nvrtc), splitkv=str(splitkv), date=date or today())
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def table_path(directory: Path, arch: str, gpu: str) -> Path:
+    """``directory/<arch>/<GPU_NAME>.yaml``."""
+    return Path(directory) / parse_arch(arch) / f"{gpu_file_stem(gpu)}.yaml"
+
+
+def load(path: Path) -> Table:
+    """Read and check a table (raises `TableError` with the file and the reason)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise TableError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except yaml.YAMLError as e:
+        raise TableError(f"{path}: not valid YAML ({e})") from None
+    try:
+        return parse(data)
+    except (ValueError, TypeError, KeyError) as e:
+        raise TableError(f"{path}: {e}") from None
+
+
+def parse(data) -> Table:
+    if not isinstance(data, dict):
+        raise ValueError("a table must be a mapping with a header and 'entries'")
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"schema {data.get('schema')!r}; this splitkv reads schema {SCHEMA}")
+    missing = set(HEADER_FIELDS) - set(data)
+    if missing:
+        raise ValueError(f"header lacks {sorted(missing)}")
+    unknown = set(data) - set(HEADER_FIELDS) - {"entries"}
+    if unknown:
+        raise ValueError(f"unknown header fields {sorted(unknown)}")
+    header = {k: data[k] for k in HEADER_FIELDS}
+    header["arch"] = parse_arch(header["arch"])
+    entries = data.get("entries") or []
+    if not isinstance(entries, list):
+        raise ValueError("'entries' must be a list")
+    parsed = []
+    for i, item in enumerate(entries):
+        try:
+            parsed.append(Entry.from_dict(item, header["arch"]))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"entry {i}: {e}") from None
+    seen = set()
+    for e in parsed:
+        if (e.key, e.bucket.name) in seen:
+            raise ValueError(f"two entries for {e.key.label} {e.bucket.name}")
+        seen.add((e.key, e.bucket.name))
+    return Table(header, tuple(sorted(parsed, key=Entry.sort_key)))
+
+
+def dump(table: Table) -> str:
+    data = dict(table.header)
+    data["entries"] = [e.to_dict() for e in sorted(table.entries, key=Entry.sort_key)]
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)
+
+
+def merge(old: Table | None, header: dict, entries) -> Table:
+    """``old``'s entries with ``entries`` in place of those of the same (key, bucket), under ``header``."""
+    merged = {(e.key, e.bucket.name): e for e in (old.entries if old else ())}
+    merged.update({(e.key, e.bucket.name): e for e in entries})
+    return Table(header, tuple(sorted(merged.values(), key=Entry.sort_key)))
+
+
+def save(path: Path, header: dict, entries) -> Table:
+    """Merge ``entries`` into the table at ``path`` (created with its folder if need be) and write
+    it atomically; returns what was written. Refuses (TableError) to replace a file that is not a
+    table of the same GPU and arch."""
+    path = Path(path)
+    arch = parse_arch(header["arch"])
+    for e in entries:  # what load() would refuse must not reach the file
+        if e.spec is not None and (e.spec.arch != arch or any(
+                getattr(e.spec, name) != value for name, value in e.key.spec_fields().items())):
+            raise TableError(f"{path}: entry {e.key.label} {e.bucket.name} holds {e.spec.name}, "
+                             f"not a program of that key on {arch}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        old = load(path) if path.exists() else None
+        if old is not None and (old.gpu, old.arch) != (header["gpu"], parse_arch(header["arch"])):
+            raise TableError(f"{path}: holds {old.gpu} ({old.arch}), not {header['gpu']} ({header['arch']})")
+        table = merge(old, header, entries)
+        text = dump(table)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    return table
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on the hidden file ``.<name>.lock`` beside ``path`` (POSIX; elsewhere none)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _mapping(value, name):
+    if not isinstance(value, dict):
+        raise ValueError(f"'{name}' must be a mapping, got {value!r}")
+    return value
+
+
+def _round(x):
+    return None if x is None else round(float(x), 3)

@@ -1,0 +1,58 @@
+"""A short real tuning run on the GPU, end to end: `splitkv-gen --tune` measures candidates, writes a
+table, and the runtime then plans with that table's programs, which match the float64 reference
+(marker: gpu)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+pytest.importorskip("optuna")
+
+from splitkv import DecodeAttention, cli  # noqa: E402
+from splitkv.autotune import lookup, tables  # noqa: E402
+from splitkv.runtime import gpu_name  # noqa: E402
+
+from test_decode_gpu import _rng, check_close, poisoned, random_values, reference  # noqa: E402
+
+
+def _arch() -> str:
+    return "sm_" + cupy.cuda.Device().compute_capability
+
+
+def test_a_short_tuning_run_writes_a_table_the_runtime_uses(tmp_path, monkeypatch, capsys):
+    """Six trials of one key on a 1 x 4k bucket: the table holds one entry for this GPU, checked
+    and timed; DecodeAttention built afterwards finds it and runs its programs correctly."""
+    out = tmp_path / "tables"
+    rc = cli.main(["--arch", _arch(), "--tune", "--head-dim", "128", "--group", "4", "--dtype", "bf16",
+                   "--bucket", "b1-l4k", "--trials", "6", "--iters", "5", "--storage", str(tmp_path / "j.log"),
+                   "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    path = tables.table_path(out, _arch(), gpu_name(cupy.cuda.Device().id))
+    table = tables.load(path)
+    (entry,) = table.entries
+    assert entry.bucket.name == "b1-l4k" and entry.trials == 6
+    assert 0 < entry.tuned_us <= entry.default_us and 0 < entry.bandwidth_pct < 100
+
+    monkeypatch.setenv(lookup.ENV_DIR, str(out))
+    lookup.forget()
+    attn = DecodeAttention(32, 8, 128)
+    assert attn.tuned_source is not None and str(path) in attn.tuned_source
+    lens = [4096 - 37]  # nearest to the tuned bucket, no multiple of any chunk
+    attn.plan(lens)
+    assert attn.tuned_entry == entry
+    split, dense, dense_only = lookup.programs(entry.spec, attn.arch, entry.key)
+    assert (attn.split_spec, attn.dense_spec) == (split, dense)
+    assert attn._launch.spec.as_dense() in (split.as_dense(), dense.as_dense())
+
+    seed = int(_rng("autotune", tuple(lens)).integers(2**31))
+    q, q64 = random_values((1, 32, 128), "bf16", seed)
+    k, k64 = random_values((1, lens[0], 8, 128), "bf16", seed + 1)
+    v, v64 = random_values((1, lens[0], 8, 128), "bf16", seed + 2)
+    result = poisoned((1, 32, 128), "bf16")
+    attn.run(q, k, v, out=result)
+    ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(128))
+    check_close(result, None, ref_out, ref_lse, lens, "bf16", f"tuned {attn.plan_info}")
+    lookup.forget()

@@ -1,0 +1,779 @@
+"""The autotuner without a GPU: its keys, search space and tables, which table the runtime looks up
+(and that the runtime then launches what the table says), the Optuna search scored by the cost
+model (resumed across processes, and after a kill), and `splitkv-gen --tune`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+import splitkv
+from splitkv import cli
+from splitkv.autotune import costmodel, keys, lookup, objective, search, space, tables
+from splitkv.autotune.keys import BUCKETS_BY_NAME, TuneKey
+from splitkv.heuristics import default_spec
+from splitkv.spec import QUANTIZED_KV_DTYPES, KernelSpec, arch_number
+from tests.test_runtime_fake_gpu import _DeviceArray, fake_gpu  # noqa: F401 - fake_gpu: a fixture, used by name
+
+REPO = Path(__file__).resolve().parent.parent
+GPU = "NVIDIA Fake GPU"
+ARCH = "sm_90"
+KEY = TuneKey(128, 4)  # bf16 queries and K/V, contiguous caches
+OTHER_KEY = TuneKey(64, 8, "fp16", "fp16")
+OTHER_SPLIT = default_spec(ARCH, 64, 8, "fp16", "fp16").replace(cluster=8)
+#: A split program the heuristic would not choose: longer chunks, a deeper ring, no cluster.
+TUNED_SPLIT = default_spec(ARCH, 128, 4).replace(chunk_size=256, stages=3, cluster=1)
+#: A dense program the heuristic would not choose: eight warps of 16-token tiles through cp.async.
+TUNED_DENSE = default_spec(ARCH, 128, 4, variant="dense").replace(warps=8, tile_tokens=16, chunk_size=128,
+                                                                  stages=3, kv_copy="cp_async")
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def header(gpu: str = GPU, arch: str = ARCH) -> dict:
+    return tables.make_header(gpu, arch, 132, "13.0", "13.0", "0.1.0", date="2026-01-02")
+
+
+def entry(bucket: str, spec: KernelSpec | None = None, key: TuneKey = KEY, tuned_us: float = 10.0,
+          default_us: float = 12.5, **extra) -> tables.Entry:
+    return tables.Entry(key, keys.parse_bucket(bucket), spec, tuned_us, default_us, date="2026-01-02", **extra)
+
+
+def sample_entries() -> list:
+    """Entries of two keys: tuned split and dense specs, a built-in choice, and every optional field."""
+    return [entry("b1-l32k", TUNED_SPLIT, bandwidth_pct=83.1, trials=40),
+            entry("b32-l4k", TUNED_DENSE, tuned_us=50.25, default_us=51.0),
+            entry("b1-l2k", None, tuned_us=7.5, default_us=7.5),
+            entry("b4-l16k", OTHER_SPLIT, key=OTHER_KEY, trials=12,
+                  exhaustive={"best_us": 9.875, "points": 252, "trials_to_within_3pct": 17}),
+            entry("b1-l2k", None, key=OTHER_KEY)]
+
+
+def shuffled(items, seed: int) -> list:
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    return items
+
+
+def save_table(folder: Path, entries, gpu: str = GPU, arch: str = ARCH, header_arch: str | None = None) -> Path:
+    """``entries`` saved as the table of ``gpu`` under ``folder/<arch>/`` (its header may claim another arch)."""
+    path = tables.table_path(folder, arch, gpu)
+    tables.save(path, header(gpu, header_arch or arch), entries)
+    return path
+
+
+def temporary_files(folder: Path) -> list:
+    """What `tables.save` may leave behind besides tables and its lock files."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith((".yaml", ".lock")))
+
+
+def replay(params: dict):
+    """An ``ask`` that answers from ``params`` (and fails on a question it has no answer to)."""
+    return lambda name, values: params[name]
+
+
+def memory_study(seed: int = 0):
+    return search.open_study("test", None, seed=seed)
+
+
+def states(study) -> dict:
+    """{trial number: (state, params, value)}."""
+    return {t.number: (t.state.name, t.params, t.value) for t in study.get_trials(deepcopy=False)}
+
+
+class Recording(costmodel.CostModelObjective):
+    """The cost model, recording what it is asked to prepare and measure; candidates that ``fails``
+    names (a predicate on the spec) raise TrialFailed, those ``refuses`` names fail to compile."""
+
+    def __init__(self, key=KEY, bucket="b1-l2k", fails=lambda spec: False, refuses=lambda spec: False):
+        super().__init__(key, keys.parse_bucket(bucket), ARCH)
+        self.fails, self.refuses = fails, refuses
+        self.prepared, self.measured = [], []
+
+    def prepare(self, specs) -> dict:
+        self.prepared.extend(specs)
+        return {s.name: "compile: CompileError: refused by the test" for s in specs if self.refuses(s)}
+
+    def measure(self, spec, iters=None):
+        self.measured.append(spec)
+        if spec is not None and self.fails(spec):
+            raise objective.TrialFailed(f"mismatch: {spec.name} is wrong on purpose")
+        return super().measure(spec, iters)
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+
+def test_parse_bucket_reads_names_and_refuses_junk():
+    """Buckets by built-in name or 'b<batch>-l<len>[k|m]'; anything else is a ValueError."""
+    assert keys.parse_bucket("b4-l16k") == keys.Bucket("b4-l16k", 4, 16384)
+    assert keys.parse_bucket("b2-l1m").seq_len == 1 << 20 and keys.parse_bucket("b3-l100").seq_len == 100
+    for name, bucket in BUCKETS_BY_NAME.items():
+        assert keys.parse_bucket(name) is bucket
+    for junk in ("", "b4", "l16k", "b4-l16x", "b0-l16k", "b4-l0", "4-16k", "b4-l16k-x", "B4_L16K"):
+        with pytest.raises(ValueError, match="bucket"):
+            keys.parse_bucket(junk)
+
+
+def test_gpu_file_stem_makes_a_file_name():
+    """A driver's device name becomes a file name; one with nothing left is refused."""
+    assert keys.gpu_file_stem("NVIDIA H200") == "NVIDIA_H200"
+    assert keys.gpu_file_stem(" NVIDIA H100 80GB HBM3 ") == "NVIDIA_H100_80GB_HBM3"
+    assert keys.gpu_file_stem("NVIDIA A100-SXM4-40GB") == "NVIDIA_A100-SXM4-40GB"
+    with pytest.raises(ValueError):
+        keys.gpu_file_stem(" / ")
+
+
+@pytest.mark.parametrize("key", [KEY, TuneKey(256, 16, "bf16", "fp8_e4m3"), TuneKey(64, 1, "fp16", "fp16", 16),
+                                 TuneKey(128, 8, "bf16", "nvfp4", 16, "HND")], ids=lambda k: k.label)
+def test_tune_key_round_trips_through_its_dict(key):
+    """A key written to a table reads back equal, contiguous or paged (layout 'p16' / 'p16-HND')."""
+    data = key.to_dict()
+    assert TuneKey.from_dict(data) == key
+    assert TuneKey.from_dict(yaml.safe_load(yaml.safe_dump(data))) == key
+    if key.page_size:
+        assert data["layout"] == f"p16{'-HND' if key.kv_layout == 'HND' else ''}"
+
+
+def test_tune_key_refuses_what_no_spec_can_be():
+    """Unknown fields, layouts and values are refused when a key is read or built."""
+    with pytest.raises(ValueError, match="unknown"):
+        TuneKey.from_dict({**KEY.to_dict(), "warps": 4})
+    with pytest.raises(ValueError, match="layout"):
+        TuneKey.from_dict({**KEY.to_dict(), "layout": "paged"})
+    with pytest.raises(ValueError, match="group_size"):
+        TuneKey(128, 17)
+    with pytest.raises(ValueError, match="kv_layout"):
+        TuneKey(128, 4, kv_layout="HND")  # contiguous caches are NHD
+
+
+# ---- tables: YAML round trip --------------------------------------------------------------------
+
+def test_table_round_trips_its_entries(tmp_path):
+    """Saved entries (tuned specs and spec=None) load back equal, sorted, under the same header."""
+    entries = sample_entries()
+    path = save_table(tmp_path, shuffled(entries, 1))
+    assert path == tmp_path / "sm_90" / "NVIDIA_Fake_GPU.yaml"
+    table = tables.load(path)
+    assert table.header == header()
+    assert table.entries == tuple(sorted(entries, key=tables.Entry.sort_key))
+    assert [e.spec for e in table.for_key(KEY)] == [None, TUNED_SPLIT, TUNED_DENSE]  # b1-l2k, b1-l32k, b32-l4k
+    # An entry's spec leaves out what the table's arch and the entry's key already say.
+    raw = yaml.safe_load(path.read_text())
+    assert all(not {"arch", "head_dim", "group_size", "kv_dtype"} & set(e["spec"] or {}) for e in raw["entries"])
+
+
+def test_saving_the_same_entries_gives_the_same_bytes(tmp_path):
+    """The file depends on the entries, not on the order they were given in, nor on a second save."""
+    first = save_table(tmp_path / "a", shuffled(sample_entries(), 1))
+    second = save_table(tmp_path / "b", shuffled(sample_entries(), 2))
+    text = first.read_bytes()
+    assert second.read_bytes() == text
+    save_table(tmp_path / "a", shuffled(sample_entries(), 3))
+    assert first.read_bytes() == text
+
+
+def test_save_merges_into_the_table_there(tmp_path):
+    """A second save adds its new entries, replaces those of the same (key, bucket), keeps the rest."""
+    old = sample_entries()
+    path = save_table(tmp_path, old)
+    new = entry("b8-l8k", TUNED_SPLIT, tuned_us=3.25)
+    replacing = entry("b1-l32k", None, tuned_us=20.0, default_us=20.0)  # replaces old[0]
+    written = tables.save(path, header(), [new, replacing])
+    expected = sorted([new, replacing, *old[1:]], key=tables.Entry.sort_key)
+    assert list(written.entries) == expected
+    assert list(tables.load(path).entries) == expected
+
+
+def test_save_replaces_the_file_atomically(tmp_path, monkeypatch):
+    """No temporary file is left behind, and a save that fails at the rename leaves the old file whole."""
+    path = save_table(tmp_path, sample_entries()[:2])
+    save_table(tmp_path, sample_entries())
+    assert temporary_files(path.parent) == []
+    before = path.read_bytes()
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tables.os, "replace", fail)
+    with pytest.raises(OSError, match="No space"):
+        tables.save(path, header(), [entry("b8-l8k", TUNED_SPLIT)])
+    assert path.read_bytes() == before
+    assert temporary_files(path.parent) == []
+
+
+def test_save_refuses_to_overwrite_another_gpus_table_or_a_broken_one(tmp_path):
+    """save raises TableError, and leaves the file as it was, for another GPU's table or an unreadable one."""
+    path = save_table(tmp_path, sample_entries(), gpu="NVIDIA H200")
+    before = path.read_bytes()
+    with pytest.raises(tables.TableError, match="NVIDIA H200.*NVIDIA H100"):
+        tables.save(path, header("NVIDIA H100"), [entry("b8-l8k", TUNED_SPLIT)])
+    assert path.read_bytes() == before
+    path.write_text("schema: [1\n")
+    with pytest.raises(tables.TableError, match=re.escape(str(path))):
+        tables.save(path, header("NVIDIA H200"), [entry("b8-l8k", TUNED_SPLIT)])
+    assert path.read_text() == "schema: [1\n"
+
+
+# ---- tables: schema errors ----------------------------------------------------------------------
+
+def _valid_table_data() -> dict:
+    return yaml.safe_load(tables.dump(tables.Table(header(), tuple(sample_entries()[:2]))))
+
+
+def _overflowing_spec(data):
+    data["entries"][0]["spec"].update(warps=8, tile_tokens=64, chunk_size=512, stages=4)
+
+
+def _duplicate_entry(data):
+    data["entries"].append(dict(data["entries"][0], tuned_us=1.0))
+
+
+SCHEMA_ERRORS = {
+    "invalid YAML": (None, "not valid YAML"),
+    "schema number": (lambda d: d.update(schema=2), "schema 2"),
+    "missing header field": (lambda d: d.pop("sm_count"), "header lacks.*sm_count"),
+    "unknown entry field": (lambda d: d["entries"][0].update(speed=1.0), "entry 0: unknown entry fields.*speed"),
+    "unknown spec field": (lambda d: d["entries"][0]["spec"].update(warpz=4), "entry 0: KernelSpec: unknown.*warpz"),
+    "spec refused": (_overflowing_spec, "entry 0: CTA shape needs .* shared memory"),
+    "duplicate entries": (_duplicate_entry, "two entries for d128-g4-bf16-bf16-contiguous"),
+}
+
+
+@pytest.mark.parametrize("case", SCHEMA_ERRORS)
+def test_load_names_the_file_and_what_is_wrong(tmp_path, case):
+    """Every way a table can be wrong is a TableError naming the file and the fault."""
+    change, reason = SCHEMA_ERRORS[case]
+    path = tmp_path / "sm_90" / "NVIDIA_Fake_GPU.yaml"
+    path.parent.mkdir()
+    if change is None:
+        path.write_text("schema: 1\nentries: [{key: \n")
+    else:
+        data = _valid_table_data()
+        assert tables.parse(data).entries  # the unchanged data is a table
+        change(data)
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(tables.TableError) as raised:
+        tables.load(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path}: ")
+    assert re.search(reason, message), message
+
+
+# ---- lookup -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def folders(monkeypatch, tmp_path):
+    """(user folder, shipped folder), both empty, and nothing remembered from earlier lookups."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    monkeypatch.setattr(lookup, "shipped_dir", lambda: shipped)
+    monkeypatch.setenv(lookup.ENV_DIR, str(user))
+    lookup.forget()
+    yield user, shipped
+    lookup.forget()
+
+
+def _found(key=KEY, gpu=GPU, arch=ARCH):
+    return lookup.find(arch, gpu, key)
+
+
+def test_lookup_prefers_this_gpus_table_to_another_of_the_arch(folders):
+    """This GPU's own table wins over another table of the same arch, even one sorting first."""
+    _, shipped = folders
+    exact = save_table(shipped, [entry("b1-l32k", TUNED_SPLIT)])
+    save_table(shipped, [entry("b1-l32k", TUNED_DENSE)], gpu="AAA Other GPU")
+    found = _found()
+    assert found.source.startswith(f"{exact} (exact GPU: {GPU})")
+    assert [e.spec for e in found.entries] == [TUNED_SPLIT]
+
+
+def test_lookup_falls_back_to_another_table_of_the_arch(folders):
+    """A same-arch table serves a key this GPU's table lacks; no table with the key: None."""
+    _, shipped = folders
+    save_table(shipped, [entry("b1-l32k", OTHER_SPLIT, key=OTHER_KEY)])
+    other = save_table(shipped, [entry("b1-l32k", TUNED_DENSE)], gpu="NVIDIA Other GPU")
+    found = _found()
+    assert found.source.startswith(f"{other} (same arch: NVIDIA Other GPU)")
+    assert [e.spec for e in found.entries] == [TUNED_DENSE]
+    assert _found(key=TuneKey(256, 1)) is None  # the heuristic
+
+
+def test_lookup_without_tables_is_none(folders):
+    """No folder holds anything: the built-in heuristic (None)."""
+    assert _found() is None
+
+
+def test_the_user_folder_wins_over_the_shipped_one(folders):
+    """The user's table of this GPU wins; where it lacks the key, the shipped table of this GPU
+    comes before other tables of the arch."""
+    user, shipped = folders
+    mine = save_table(user, [entry("b1-l32k", TUNED_DENSE)])
+    shipped_exact = save_table(shipped, [entry("b1-l32k", TUNED_SPLIT), entry("b1-l32k", OTHER_SPLIT, key=OTHER_KEY)])
+    save_table(user, [entry("b1-l32k", None, key=OTHER_KEY)], gpu="AAA Other GPU")
+    assert _found().source.startswith(f"{mine} (exact GPU")
+    assert [e.spec for e in _found().entries] == [TUNED_DENSE]
+    found = _found(key=OTHER_KEY)
+    assert found.source.startswith(f"{shipped_exact} (exact GPU")
+
+
+def test_a_corrupt_table_warns_once_and_is_skipped(folders):
+    """A table that cannot be read gives one RuntimeWarning naming it, however often it is looked
+    up, and the lookup goes on with the next table."""
+    user, shipped = folders
+    broken = tables.table_path(user, ARCH, GPU)
+    broken.parent.mkdir(parents=True)
+    broken.write_text("schema: [1\n")
+    fallback = save_table(shipped, [entry("b1-l32k", TUNED_SPLIT)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second, third = _found(), _found(), _found(key=OTHER_KEY)
+    relevant = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(relevant) == 1, [str(w.message) for w in caught]
+    assert str(broken) in str(relevant[0].message)
+    assert first.source.startswith(str(fallback)) and second.source == first.source
+    assert third is None
+
+
+def test_tables_of_another_arch_are_not_used(folders):
+    """A table in another arch's folder, or one whose header says another arch, is not used."""
+    user, shipped = folders
+    sm80_split = default_spec("sm_80", 128, 4).replace(chunk_size=256)
+    save_table(shipped, [entry("b1-l32k", sm80_split)], arch="sm_80")
+    save_table(user, [entry("b1-l32k", TUNED_SPLIT.replace(arch="sm_100"))], header_arch="sm_100")
+    assert _found() is None
+    sm80 = _found(arch="sm_80")
+    assert sm80.source.startswith(str(tables.table_path(shipped, "sm_80", GPU)))
+    assert [e.spec for e in sm80.entries] == [sm80_split]
+
+
+def test_entry_for_takes_the_nearest_bucket():
+    """Rows (sequences x K/V heads) and the longest length pick the nearest bucket, in octaves (rows
+    made of sequences or of heads alike: see test_runtime_takes_rows_as_sequences_times_kv_heads)."""
+    choices = lookup.TunedChoices(KEY, tuple(entry(b) for b in ("b1-l2k", "b1-l32k", "b32-l4k")), "test")
+    assert choices.entry_for(8, 30000).bucket.name == "b1-l32k"
+    assert choices.entry_for(256, 4096).bucket.name == "b32-l4k"
+    assert choices.entry_for(8, 1500).bucket.name == "b1-l2k"
+    assert choices.entry_for(512, 8192).bucket.name == "b32-l4k"
+    assert lookup.TunedChoices(KEY, (), "empty").entry_for(8, 1024) is None
+
+
+# ---- lookup.programs ----------------------------------------------------------------------------
+
+def test_programs_of_an_entry():
+    """spec None: the heuristic's programs; a split spec replaces the split program, a dense spec
+    the dense one and makes the bucket dense only."""
+    builtin_split, builtin_dense = default_spec(ARCH, 128, 4), default_spec(ARCH, 128, 4, variant="dense")
+    assert builtin_split != TUNED_SPLIT and builtin_dense != TUNED_DENSE
+    assert lookup.programs(None, ARCH, KEY) == (builtin_split, builtin_dense, False)
+    assert lookup.programs(TUNED_SPLIT, ARCH, KEY) == (TUNED_SPLIT, builtin_dense, False)
+    assert lookup.programs(TUNED_DENSE, ARCH, KEY) == (builtin_split, TUNED_DENSE, True)
+    paged = TuneKey(128, 4, page_size=16)
+    split, dense, dense_only = lookup.programs(TUNED_SPLIT, ARCH, paged)
+    assert split == TUNED_SPLIT.replace(page_size=16) and dense == default_spec(ARCH, 128, 4, variant="dense",
+                                                                                   page_size=16)
+    assert not dense_only
+
+
+# ---- the runtime uses the table -----------------------------------------------------------------
+
+def _runtime_table(record) -> Path:
+    return save_table(record.tables, [entry("b1-l32k", TUNED_SPLIT), entry("b32-l4k", TUNED_DENSE),
+                                      entry("b1-l2k", None)])
+
+
+def _shape(spec):
+    return (spec.variant, spec.chunk_size, spec.warps, spec.tile_tokens, spec.stages, spec.kv_copy, spec.mma_m)
+
+
+def _launched(record, attn, lens) -> KernelSpec:
+    """The program the first launch of run() uses after plan(lens); it was loaded, too."""
+    attn.plan(lens)
+    first = len(record.launches)
+    cache = (len(lens), max(lens), attn.num_kv_heads, attn.head_dim)
+    bf16 = "<u2"  # bf16 bits, as CuPy carries them
+    attn.run(_DeviceArray((len(lens), attn.num_qo_heads, attn.head_dim), bf16), _DeviceArray(cache, bf16),
+             _DeviceArray(cache, bf16))
+    spec = record.launches[first].spec
+    assert spec == attn._launch.spec and any(loaded == spec for loaded, _ in record.loads)
+    return spec
+
+
+def test_runtime_launches_the_tuned_split_program(fake_gpu):
+    """A long single sequence runs the table's split program of bucket b1-l32k."""
+    path = _runtime_table(fake_gpu)
+    attn = splitkv.DecodeAttention(32, 8, 128)
+    assert attn.tuned_source is not None and attn.tuned_source.startswith(f"{path} (exact GPU: {GPU})")
+    assert attn.tuned_entry is None  # nothing planned yet
+    launched = _launched(fake_gpu, attn, [32768])
+    assert attn._launch.plan.variant == "split"
+    assert attn.tuned_entry.bucket.name == "b1-l32k" and attn.tuned_entry.spec == TUNED_SPLIT
+    assert _shape(launched) == _shape(TUNED_SPLIT) and launched.cluster == 1
+
+
+def test_runtime_launches_the_tuned_dense_program(fake_gpu):
+    """Batches nearest bucket b32-l4k run the table's dense program, never split."""
+    _runtime_table(fake_gpu)
+    attn = splitkv.DecodeAttention(32, 8, 128)
+    launched = _launched(fake_gpu, attn, [4096] * 32)
+    assert attn._launch.plan.variant == "dense" and attn.tuned_entry.bucket.name == "b32-l4k"
+    assert _shape(launched) == _shape(TUNED_DENSE)
+    # 8 x 4k (64 rows) is nearest that bucket too: dense, where the heuristic alone would split.
+    launched = _launched(fake_gpu, attn, [4096] * 8)
+    assert attn._launch.plan.variant == "dense" and _shape(launched) == _shape(TUNED_DENSE)
+    builtin = splitkv.DecodeAttention(32, 8, 128, tuned=False)
+    assert _launched(fake_gpu, builtin, [4096] * 8).variant == "split"
+    # A built-in entry (b1-l2k) puts the heuristic's programs back.
+    launched = _launched(fake_gpu, attn, [2048])
+    assert attn.tuned_entry.spec is None
+    assert _shape(launched) == _shape(default_spec(ARCH, 128, 4))
+
+
+def test_runtime_takes_rows_as_sequences_times_kv_heads(fake_gpu):
+    """Eight sequences of one K/V head are eight rows, the bucket of one sequence of eight heads."""
+    _runtime_table(fake_gpu)
+    attn = splitkv.DecodeAttention(4, 1, 128)  # group 4: the same key
+    launched = _launched(fake_gpu, attn, [32768] * 8)
+    assert attn.tuned_entry.bucket.name == "b1-l32k"
+    assert _shape(launched) == _shape(TUNED_SPLIT)
+
+
+def test_runtime_ignores_the_table_when_told_or_given_programs(fake_gpu):
+    """tuned=False, or a spec= given, keeps the table out: no source, the heuristic's or the given shapes."""
+    _runtime_table(fake_gpu)
+    builtin = splitkv.DecodeAttention(32, 8, 128, tuned=False)
+    assert builtin.tuned_source is None
+    assert _shape(_launched(fake_gpu, builtin, [32768])) == _shape(default_spec(ARCH, 128, 4))
+    assert builtin.tuned_entry is None
+    given = default_spec(ARCH, 128, 4).replace(chunk_size=64, tile_tokens=16)
+    mine = splitkv.DecodeAttention(32, 8, 128, spec=given)
+    assert mine.tuned_source is None
+    assert _shape(_launched(fake_gpu, mine, [32768])) == _shape(given)
+    assert mine.tuned_entry is None
+    with pytest.raises(TypeError, match="tuned"):
+        splitkv.DecodeAttention(32, 8, 128, tuned="yes")
+
+
+# ---- the search space ---------------------------------------------------------------------------
+
+SPACE_KEYS = [(KEY, "sm_90"), (KEY, "sm_80"), (TuneKey(256, 16, "bf16", "fp8_e4m3"), "sm_90"),
+              (TuneKey(64, 1, "bf16", "nvfp4"), "sm_90"), (TuneKey(128, 8, "fp16", "fp16", 16, "HND"), "sm_90")]
+
+
+@pytest.mark.parametrize("key, arch", SPACE_KEYS, ids=lambda x: getattr(x, "label", x))
+def test_enumerated_candidates_are_valid_distinct_and_keep_the_key(key, arch):
+    """Every enumerated candidate is a distinct spec KernelSpec accepts, with the key's fixed fields."""
+    specs, refused = space.enumerate_specs(key, arch)
+    assert specs and refused >= 0
+    assert len({s.name for s in specs}) == len(specs) == len(set(specs))
+    for s in specs:
+        assert isinstance(s, KernelSpec) and KernelSpec.from_dict(s.to_dict()) == s
+        assert {f: getattr(s, f) for f in key.spec_fields()} == key.spec_fields() and s.arch == arch
+        assert s.chunk_size % (s.warps * s.tile_tokens) == 0
+        assert not s.steal_tiles and not s.span_rows and not s.warp_heads
+        if arch_number(arch) < 90:
+            assert s.cluster == 1 and s.kv_copy == "cp_async"
+
+
+def _heuristic_keys():
+    for arch in ("sm_90", "sm_80"):
+        for kv_dtype in ("bf16", "fp16", "fp8_e4m3", "nvfp4"):
+            if kv_dtype in QUANTIZED_KV_DTYPES and arch_number(arch) < 89:
+                continue  # no such program on sm_80
+            for head_dim in (64, 128, 256):
+                if kv_dtype == "nvfp4" and head_dim % 64:
+                    continue
+                for group in (1, 4, 8, 16):
+                    yield TuneKey(head_dim, group, kv_dtype if kv_dtype in ("bf16", "fp16") else "bf16", kv_dtype), arch
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_the_heuristics_programs_are_points_of_the_space(arch):
+    """params_of(default_spec) rebuilds the heuristic's split and dense programs of every key."""
+    checked = 0
+    for key, key_arch in _heuristic_keys():
+        if key_arch != arch:
+            continue
+        for variant in ("split", "dense"):
+            spec = default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype, variant)
+            params = space.params_of(spec, key, arch)
+            assert space.build_spec(replay(params), key, arch) == spec, (key.label, variant, params)
+            checked += 1
+    assert checked == {"sm_90": 2 * 12 * 4, "sm_80": 2 * 12 * 2}[arch]
+
+
+def test_build_spec_refuses_an_overflowing_choice():
+    """A choice KernelSpec refuses is space.Invalid with KernelSpec's reason; a spec outside the
+    space is a ValueError of params_of."""
+    answers = dict(variant="dense", warps=8, tile_tokens=64, stages=4, kv_copy="cp_async", mma_m="tokens")
+    with pytest.raises(space.Invalid, match="shared memory"):
+        space.build_spec(replay(answers), KEY, ARCH)
+    with pytest.raises(ValueError, match="warps"):
+        space.params_of(default_spec(ARCH, 128, 4).replace(warps=2, chunk_size=64), KEY, ARCH)
+    with pytest.raises(ValueError, match="steal|express"):
+        space.params_of(default_spec(ARCH, 128, 4).replace(steal_tiles=2), KEY, ARCH)
+
+
+def test_invalid_candidates_are_never_compiled():
+    """The search prunes what KernelSpec refuses before prepare(); prepare gets valid specs only."""
+    optuna = pytest.importorskip("optuna")
+    study, obj = memory_study(), Recording()
+    search.enqueue_defaults(study, KEY, keys.parse_bucket("b1-l2k"), ARCH)
+    assert search.run_trials(study, KEY, ARCH, obj, trials=30) == 30
+    pruned = study.get_trials(states=(optuna.trial.TrialState.PRUNED,))
+    assert pruned, "the space of d128 bf16 has shapes too big for shared memory; some must be asked"
+    assert all(t.user_attrs["reason"].startswith("invalid") for t in pruned)
+    assert all("spec" not in t.user_attrs for t in pruned)
+    assert obj.prepared and all(isinstance(s, KernelSpec) and KernelSpec.from_dict(s.to_dict()) == s
+                                for s in obj.prepared)
+    assert {s.name for s in obj.measured if s is not None} <= {s.name for s in obj.prepared}
+
+
+# ---- the search, scored by the cost model --------------------------------------------------------
+
+def test_the_cost_model_says_it_is_one():
+    """The cost model's figures are named as predictions wherever they appear."""
+    name = costmodel.CostModelObjective.name
+    assert "cost model" in name and "not measured" in name
+
+
+def _searched(trials: int, bucket: str = "b1-l2k", **recording):
+    study, obj = memory_study(), Recording(bucket=bucket, **recording)
+    search.enqueue_defaults(study, KEY, keys.parse_bucket(bucket), ARCH)
+    done = search.run_trials(study, KEY, ARCH, obj, trials=trials)
+    return study, obj, done
+
+
+def test_run_trials_stops_at_the_asked_count():
+    """run_trials finishes exactly the asked number of trials, counting earlier ones."""
+    pytest.importorskip("optuna")
+    study, obj, done = _searched(13)
+    assert done == 13 and len(search.finished(study)) == 13
+    assert search.run_trials(study, KEY, ARCH, obj, trials=13) == 0
+    assert search.run_trials(study, KEY, ARCH, obj, trials=17) == 4
+    assert len(search.finished(study)) == 17
+
+
+def test_the_heuristics_programs_are_the_first_trials():
+    """Trials 0 and 1 are the heuristic's split and dense programs, marked as built-in."""
+    pytest.importorskip("optuna")
+    study, _, _ = _searched(10)
+    first, second = study.trials[:2]
+    assert first.user_attrs["builtin"] == "split" and second.user_attrs["builtin"] == "dense"
+    assert first.user_attrs["spec"] == default_spec(ARCH, 128, 4).name
+    assert second.user_attrs["spec"] == default_spec(ARCH, 128, 4, variant="dense").name
+    assert all("builtin" not in t.user_attrs for t in study.trials[2:])
+
+
+@pytest.mark.parametrize("bucket", ["b1-l2k", "b1-l32k", "b32-l4k"])
+def test_finish_is_never_slower_than_the_default(bucket):
+    """The entry finish() writes is at least as fast as the built-in choice on its own figures."""
+    pytest.importorskip("optuna")
+    study, obj, _ = _searched(24, bucket)
+    outcome = search.finish(study, KEY, keys.parse_bucket(bucket), ARCH, obj)
+    e = outcome.entry
+    assert e.tuned_us <= e.default_us and e.speedup >= 1
+    assert e.trials == 24 and e.bucket.name == bucket and e.key == KEY
+    assert outcome.objective == obj.name and "built-in" in outcome.confirm
+    assert outcome.confirm["built-in"] == e.default_us
+    assert outcome.confirm["built-in" if e.spec is None else e.spec.name] == e.tuned_us
+    assert len(outcome.trials) == 24
+
+
+def test_a_failing_candidate_is_a_failed_trial_and_never_wins():
+    """Candidates whose measurement or compilation fails become FAIL trials with the reason, and
+    are never the winner, even where the cost model would rank them first."""
+    optuna = pytest.importorskip("optuna")
+    fast = _searched(24)
+    best = search.finish(fast[0], KEY, keys.parse_bucket("b1-l2k"), ARCH, fast[1]).entry.spec
+    assert best is not None and best.stages == 3  # what the failures below take away
+
+    study, obj, done = _searched(24, fails=lambda s: s.stages == 3, refuses=lambda s: s.warps == 8)
+    assert done == 24
+    failed = study.get_trials(states=(optuna.trial.TrialState.FAIL,))
+    reasons = [t.user_attrs.get("reason", "") for t in failed]
+    assert any(r.startswith("mismatch:") for r in reasons) and any(r.startswith("compile:") for r in reasons)
+    assert all(t.value is None for t in failed)
+    outcome = search.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
+    winner = outcome.entry.spec
+    assert winner is None or (winner.stages != 3 and winner.warps != 8)
+    failed_names = {t.user_attrs["spec"] for t in failed}
+    assert not failed_names & set(outcome.confirm)
+
+
+# ---- resuming across processes ------------------------------------------------------------------
+
+_WORKER = textwrap.dedent("""
+    import sys, time
+    from splitkv.autotune import costmodel, keys, search
+
+    journal, trials, sleep = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    key, bucket = keys.TuneKey(128, 4), keys.parse_bucket("b1-l2k")
+
+    class Slow(costmodel.CostModelObjective):
+        def measure(self, spec, iters=None):
+            time.sleep(sleep)
+            return super().measure(spec, iters)
+
+    study = search.open_study("resume", journal, seed=0)
+    search.enqueue_defaults(study, key, bucket, "sm_90")
+    print("ran", search.run_trials(study, key, "sm_90", Slow(key, bucket, "sm_90"), trials=trials), flush=True)
+""")
+
+
+def _worker(journal: Path, trials: int, sleep: float = 0.0) -> subprocess.Popen:
+    """A process that searches the study 'resume' of ``journal`` up to ``trials`` trials, each
+    measurement taking ``sleep`` seconds longer."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen([sys.executable, "-c", _WORKER, str(journal), str(trials), str(sleep)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run_worker(journal: Path, trials: int) -> str:
+    proc = _worker(journal, trials)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return out.strip()
+
+
+def _journal_study(journal: Path):
+    return search.open_study("resume", str(journal))
+
+
+def _finished_states(study) -> dict:
+    done = {t.number for t in search.finished(study)}
+    return {n: s for n, s in states(study).items() if n in done}
+
+
+def test_a_second_process_resumes_the_study(tmp_path):
+    """A second run on the same journal runs only the trials missing from the total, and keeps the
+    first run's trials as they were."""
+    pytest.importorskip("optuna")
+    journal = tmp_path / "j.log"
+    assert _run_worker(journal, 7) == "ran 7"
+    before = _finished_states(_journal_study(journal))
+    assert len(before) == 7
+    assert _run_worker(journal, 15) == "ran 8"
+    study = _journal_study(journal)
+    after = _finished_states(study)
+    assert len(after) == 15
+    assert {n: after[n] for n in before} == before
+    # The built-in programs were enqueued once, not again by the second run.
+    assert sorted(t.user_attrs.get("builtin") for t in study.trials if "builtin" in t.user_attrs) == ["dense", "split"]
+
+
+def test_a_killed_run_loses_nothing_it_finished(tmp_path):
+    """SIGKILL mid-run: the trials told before the kill stay, and a rerun completes the total."""
+    optuna = pytest.importorskip("optuna")
+    journal = tmp_path / "j.log"
+    proc = _worker(journal, 200, sleep=0.25)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the worker finished no trials in a minute"
+            complete = 0
+            if journal.exists():
+                try:  # loaded, not created: the worker creates it
+                    study = optuna.load_study(study_name="resume", storage=search.make_storage(str(journal)))
+                    complete = sum(t.state.name == "COMPLETE" for t in study.get_trials(deepcopy=False))
+                except KeyError:  # not created yet
+                    pass
+            if complete >= 3:
+                break
+            time.sleep(0.1)
+    finally:
+        proc.kill()  # SIGKILL: no handler, no cleanup
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    before = _finished_states(_journal_study(journal))
+    assert sum(state == "COMPLETE" for state, _, _ in before.values()) >= 3
+    target = len(before) + 6
+    assert _run_worker(journal, target) == "ran 6"
+    after = _finished_states(_journal_study(journal))
+    assert len(after) == target
+    assert {n: after[n] for n in before} == before
+
+
+# ---- splitkv-gen --tune -------------------------------------------------------------------------
+
+def _tune_argv(tmp_path, *extra) -> list:
+    return ["--arch", "sm90", "--tune", "--head-dim", "128", "--group", "4", "--dtype", "bf16",
+            "--bucket", "b1-l2k", "--trials", "12", "--storage", str(tmp_path / "j.log"), *extra]
+
+
+def test_cli_tunes_with_the_cost_model(tmp_path, capsys):
+    """--tune --cost-model writes a one-entry table, prints the summary, writes the report, and a
+    rerun resumes from the journal instead of searching again."""
+    pytest.importorskip("optuna")
+    pytest.importorskip("matplotlib")
+    out, rep = tmp_path / "tables", tmp_path / "rep"
+    argv = _tune_argv(tmp_path, "--cost-model", "--out", str(out), "--report", str(rep))
+    assert cli.main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "speedup" in stdout and KEY.label in stdout and "b1-l2k" in stdout
+    table = tables.load(out / "sm_90" / "cost_model.yaml")
+    (e,) = table.entries
+    assert (e.key, e.bucket.name, e.trials) == (KEY, "b1-l2k", 12) and e.tuned_us <= e.default_us
+    assert table.gpu == "cost model" and table.arch == "sm_90"
+    assert "speedup" in (rep / "summary.md").read_text()
+    results = json.loads((rep / "results.json").read_text())
+    assert len(results["studies"]) == 1 and len(results["studies"][0]["trials"]) == 12
+    assert "cost model" in results["objective"]
+    (png,) = rep.glob("chunk-*.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    assert cli.main(argv) == 0  # resumed: the study already holds its trials
+    name = keys.study_name("", "cost model", "sm_90", KEY, keys.parse_bucket("b1-l2k"))
+    assert len(search.open_study(name, str(tmp_path / "j.log")).trials) == 12
+
+
+def test_cli_tune_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):
+    """Without --cost-model and no usable GPU: status 2, a message naming the arch, nothing written."""
+    pytest.importorskip("optuna")
+    import splitkv.bench
+
+    def no_gpu():
+        raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
+
+    monkeypatch.setattr(splitkv.bench, "gpu_info", no_gpu)
+    assert cli.main(_tune_argv(tmp_path, "--out", str(tmp_path / "tables"))) == 2
+    err = capsys.readouterr().err
+    assert "sm_90" in err and "none is usable" in err and "no CUDA-capable device" in err
+    assert not (tmp_path / "tables").exists()
+
+
+def test_cli_tune_refuses_a_gpu_of_another_arch(tmp_path, capsys, monkeypatch):
+    """Tuning sm_90 on an sm_80 GPU is refused (status 2), the message naming both archs."""
+    pytest.importorskip("optuna")
+    import splitkv.bench
+
+    monkeypatch.setattr(splitkv.bench, "gpu_info", lambda: dict(
+        name="NVIDIA A100-SXM4-40GB", arch="sm_80", sm_count=108, cuda_runtime_version="13.0", nvrtc_version="13.0"))
+    assert cli.main(_tune_argv(tmp_path, "--out", str(tmp_path / "tables"))) == 2
+    err = capsys.readouterr().err
+    assert "sm_90" in err and "sm_80" in err and "NVIDIA A100-SXM4-40GB" in err
+    assert not (tmp_path / "tables").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "sm90", "--tune", "--cost-model", "--devices", "0,1"], "--storage"),
+    (["--arch", "sm90", "--tune", "--cost-model", "--trials", "0"], "--trials"),
+    (["--arch", "sm90", "--tune", "--cost-model", "--devices", "0,x", "--storage", "j.log"], "--devices"),
+])
+def test_cli_tune_usage_errors(capsys, argv, message):
+    """Workers without shared storage, no trials, or bad device lists are usage errors (status 2)."""
+    with pytest.raises(SystemExit) as raised:
+        cli.main(argv)
+    assert raised.value.code == 2
+    assert message in capsys.readouterr().err

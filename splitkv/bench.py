@@ -896,14 +896,15 @@ class Case:
     keep: object = None  # buffers the launches read that nothing else holds
 
 
-def splitkv_case(inputs: Inputs, spec=None, variant: str | None = None) -> Case:
+def splitkv_case(inputs: Inputs, spec=None, variant: str | None = None, tuned: bool = True) -> Case:
     """``variant`` (from a --specs override) is handed to plan(), since the planner, not the spec,
-    decides between dense and split."""
+    decides between dense and split. Without ``spec``, the programs come from this GPU's tuned
+    table (``tuned=False``: the built-in heuristic's)."""
     import splitkv
 
     s = inputs.shape
     attn = splitkv.DecodeAttention(s.num_qo_heads, s.num_kv_heads, s.head_dim,
-                                   q_dtype="bf16", kv_dtype=s.kv_dtype, spec=spec)
+                                   q_dtype="bf16", kv_dtype=s.kv_dtype, spec=spec, tuned=tuned)
     if variant is None:
         attn.plan([s.seq_len] * s.batch, s.seq_len)
     else:
@@ -917,6 +918,8 @@ def splitkv_case(inputs: Inputs, spec=None, variant: str | None = None) -> Case:
     info = {"plan_info": str(getattr(attn, "plan_info", ""))}
     if spec is not None:
         info["spec_name"] = spec.name
+    if attn.tuned_entry is not None:
+        info["tuned_bucket"] = attn.tuned_entry.bucket.name
     return Case(fn, lambda: out, None, info)
 
 

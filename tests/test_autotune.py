@@ -768,12 +768,57 @@ def test_cli_tune_refuses_a_gpu_of_another_arch(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--arch", "sm90", "--tune", "--cost-model", "--devices", "0,1"], "--storage"),
+    (["--arch", "sm90", "--tune", "--cost-model", "--devices", "1"], "--storage"),
+    (["--arch", "sm90", "--tune", "--cost-model", "--bucket", "b1-32k"], "--bucket"),
     (["--arch", "sm90", "--tune", "--cost-model", "--trials", "0"], "--trials"),
     (["--arch", "sm90", "--tune", "--cost-model", "--devices", "0,x", "--storage", "j.log"], "--devices"),
 ])
 def test_cli_tune_usage_errors(capsys, argv, message):
-    """Workers without shared storage, no trials, or bad device lists are usage errors (status 2)."""
+    """Workers without shared storage (one worker on another GPU too), no trials, a bad bucket or
+    a bad device list are usage errors (status 2)."""
     with pytest.raises(SystemExit) as raised:
         cli.main(argv)
     assert raised.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_worker_command_lines_drop_devices():
+    """A worker runs this command line without --devices, in either spelling."""
+    from splitkv.autotune.cli import _without_devices
+
+    assert _without_devices(["--tune", "--devices", "0,1", "--trials", "4"]) == ["--tune", "--trials", "4"]
+    assert _without_devices(["--devices=0,0", "--tune"]) == ["--tune"]
+
+
+def test_the_report_plots_a_bandwidth_sweep(tmp_path):
+    """Given a sweep, the report draws % bandwidth against context length and links the plot."""
+    pytest.importorskip("optuna")
+    pytest.importorskip("matplotlib")
+    from splitkv.autotune import report
+
+    outcome = search.finish(*_searched(12)[:1], KEY, BUCKETS_BY_NAME["b1-l2k"], ARCH,
+                            costmodel.CostModelObjective(KEY, BUCKETS_BY_NAME["b1-l2k"]))
+    sweeps = {KEY.label: {"lengths": [1024, 4096], "tuned": [40.0, 70.0], "built-in": [38.0, None],
+                          "FlashInfer": [30.0, 55.0]}}
+    report.write(tmp_path, [outcome], header("cost model"), sweeps)
+    png = tmp_path / f"bandwidth-{KEY.label}.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"({png.name})" in (tmp_path / "summary.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["sweeps"] == sweeps
+
+
+def test_a_cost_model_table_never_serves_another_gpu(folders):
+    """Predictions are not measurements: a cost-model table of the arch is not a fallback."""
+    _, shipped = folders
+    save_table(shipped, [entry("b1-l32k", TUNED_SPLIT)], gpu=lookup.COST_MODEL_GPU)
+    assert _found() is None
+
+
+def test_save_refuses_a_spec_of_another_key_or_arch(tmp_path):
+    """An entry whose program is not one of its key on the table's arch never reaches the file."""
+    path = tables.table_path(tmp_path, ARCH, GPU)
+    with pytest.raises(tables.TableError, match="not a program of that key"):
+        tables.save(path, header(), [entry("b1-l32k", OTHER_SPLIT)])
+    with pytest.raises(tables.TableError, match="not a program of that key"):
+        tables.save(tables.table_path(tmp_path, "sm_80", GPU), header(arch="sm_80"), [entry("b1-l32k", TUNED_SPLIT)])
+    assert not path.exists()

@@ -297,9 +297,43 @@ def _finish_all(args, arch, gpu, studies, search_first: bool = False) -> int:
     if args.report is not None and outcomes:
         from . import report
 
-        written = report.write(args.report, outcomes, header)
+        sweeps = {} if args.cost_model else _sweeps(outcomes, out_dir)
+        written = report.write(args.report, outcomes, header, sweeps)
         print(f"wrote the report to {written}", file=sys.stderr)
     return 0 if outcomes else 1
+
+
+def _sweeps(outcomes, table_dir) -> dict:
+    """The report's bandwidth sweep of every tuned key the benchmark's inputs cover, with the table
+    just written (see `sweep`); {} without torch, which the benchmark's inputs and peers need."""
+    from . import lookup, sweep
+
+    try:
+        import torch  # noqa: F401 - only whether it is there
+    except ImportError:
+        print("splitkv-gen: --report: no bandwidth sweep without torch (the benchmark's inputs and peers)",
+              file=sys.stderr)
+        return {}
+    keys = list(dict.fromkeys(o.entry.key for o in outcomes if sweep.sweepable(o.entry.key)))
+    previous = os.environ.get(lookup.ENV_DIR)
+    os.environ[lookup.ENV_DIR] = str(table_dir)  # the runtime reads the table just written
+    lookup.forget()
+    try:
+        bar = _bar(True, total=len(keys), desc="bandwidth sweep", position=0)
+        sweeps = {}
+        for key in keys:
+            sweeps[key.label] = sweep.sweep(key)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return sweeps
+    finally:
+        if previous is None:
+            os.environ.pop(lookup.ENV_DIR, None)
+        else:
+            os.environ[lookup.ENV_DIR] = previous
+        lookup.forget()
 
 
 def format_summary(entries) -> str:

@@ -105,6 +105,7 @@ def find(arch: str, gpu: str, key: TuneKey) -> TunedChoices | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)  # plan() asks on every call: the heuristic's specs take ~0.1 ms to build
 def programs(spec: KernelSpec | None, arch: str, key: TuneKey) -> tuple[KernelSpec, KernelSpec, bool]:
     """(split program, dense program, dense only) for a tuned entry's spec (None: the built-in choice).
 

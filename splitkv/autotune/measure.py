@@ -74,11 +74,9 @@ class GpuObjective(Objective):
 
     # ---- measure ------------------------------------------------------------------------------
     def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
-        import cupy
-
         from .. import DecodeAttention
 
-        k, b, inp = self.key, self.bucket, self.inputs
+        k, inp = self.key, self.inputs
         try:
             with self.harness.active():
                 paging = dict(page_size=k.page_size or None, kv_layout=k.kv_layout)

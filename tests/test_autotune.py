@@ -822,3 +822,62 @@ def test_save_refuses_a_spec_of_another_key_or_arch(tmp_path):
     with pytest.raises(tables.TableError, match="not a program of that key"):
         tables.save(tables.table_path(tmp_path, "sm_80", GPU), header(arch="sm_80"), [entry("b1-l32k", TUNED_SPLIT)])
     assert not path.exists()
+
+
+def test_the_search_is_compared_with_the_exhaustive_figures(tmp_path, capsys):
+    """--exhaustive measures every candidate of the space; the entry records the space's best, the
+    tuned program's own figure there, and the first trial within 3% of the best; the report shows it."""
+    pytest.importorskip("optuna")
+    small = ["--head-dim", "256", "--group", "4", "--dtype", "bf16", "--bucket", "b1-l32k"]
+    argv = ["--arch", "sm90", "--tune", "--cost-model", *small, "--trials", "30", "--exhaustive",
+            "--out", str(tmp_path / "t"), "--report", str(tmp_path / "rep")]
+    assert cli.main(argv) == 0
+    (e,) = tables.load(tmp_path / "t" / "sm_90" / "cost_model.yaml").entries
+    specs, _ = space.enumerate_specs(e.key, ARCH)
+    bucket = BUCKETS_BY_NAME["b1-l32k"]
+    best = min(costmodel.predict_us(s, bucket) for s in specs)
+    x = e.exhaustive
+    assert x["points"] == len(specs) and x["failed"] == 0 and x["best_us"] == pytest.approx(best, abs=1e-3)
+    assert 1 <= x["trials_to_within_3pct"] <= 30
+    if e.spec is not None:
+        assert x["tuned_spec_us"] == pytest.approx(costmodel.predict_us(e.spec, bucket))
+    assert "Against exhaustive search" in (tmp_path / "rep" / "summary.md").read_text()
+
+
+def test_candidates_compile_with_what_their_plans_load(monkeypatch):
+    """A candidate is compiled with the cluster sizes the planner may fit, the built-in program of
+    the other variant and the merge; a companion that fails to compile fails the candidate, with
+    the companion named."""
+    from splitkv import codegen
+    from splitkv.autotune import measure
+
+    split, dense, _ = lookup.programs(None, ARCH, KEY)
+    candidate = TUNED_SPLIT.replace(cluster=16)
+    names = {s.name for s in measure._companions(candidate, split, dense)}
+    assert {candidate.replace(cluster=c).name for c in (1, 2, 4, 8, 16)} <= names and dense.name in names
+    assert split.name in {s.name for s in measure._companions(TUNED_DENSE, split, dense)}
+
+    compiled = []
+    broken = candidate.replace(cluster=4).name
+
+    def fake_compile(spec):
+        compiled.append(spec.name)
+        if spec.name == broken:
+            raise codegen.CompileError("NVRTC failed", "ptxas error: too many resources", None)
+    monkeypatch.setattr(codegen, "compile_cubin", fake_compile)
+    objective = object.__new__(measure.GpuObjective)  # no GPU: only what prepare() reads
+    objective.jobs, objective.builtin_split, objective.builtin_dense = 2, split, dense
+    failures = objective.prepare([candidate, TUNED_DENSE])
+    assert list(failures) == [candidate.name]
+    assert broken in failures[candidate.name] and "CompileError" in failures[candidate.name]
+    assert len(compiled) == len(set(compiled))  # each program once
+
+
+def test_an_entry_keeps_the_plan_its_program_ran(tmp_path):
+    """The optional plan (what ran on the bucket's shape) survives a save and a load."""
+    path = tables.table_path(tmp_path, ARCH, GPU)
+    ran = "dense: 1 split(s) of 4096 tokens, 256 CTAs on 132 SMs; " + TUNED_DENSE.name
+    tables.save(path, header(), [entry("b32-l4k", TUNED_DENSE, plan=ran), entry("b1-l2k")])
+    loaded = {e.bucket.name: e for e in tables.load(path).entries}
+    assert loaded["b32-l4k"].plan == ran and loaded["b1-l2k"].plan is None
+    assert "plan:" not in path.read_text().split("b1-l2k")[1].split("- key")[0]  # absent stays absent

@@ -106,7 +106,7 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     if args.tune_worker:
         return _search_all(args, arch, gpu, studies, progress=False)
     if workers:
-        rc = _run_workers(args, devices, studies)
+        rc = _run_workers(args, devices, [study_name(args.study, gpu["name"], arch, k, b) for k, b in studies])
         if rc:
             return rc
         return _finish_all(args, arch, gpu, studies)
@@ -192,7 +192,7 @@ def _search(args, gpu, arch, key, bucket, objective, overall, progress: bool):
     return study
 
 
-def _run_workers(args, devices, studies) -> int:
+def _run_workers(args, devices, names) -> int:
     """One worker process per listed device, each with only that GPU visible; overall progress is
     read from the shared storage while they run."""
     argv = _without_devices(args.argv)
@@ -204,12 +204,12 @@ def _run_workers(args, devices, studies) -> int:
         workers.append((subprocess.Popen([sys.executable, "-m", "splitkv.cli", *argv, WORKER_FLAG], env=env,
                                          stdout=log, stderr=subprocess.STDOUT), log, device))
     print(f"started {len(workers)} workers on devices {devices}; their logs are in {log_dir}", file=sys.stderr)
-    overall = _bar(True, total=len(studies) * args.trials, desc="all studies (all workers)", position=0)
+    overall = _bar(True, total=len(names) * args.trials, desc="all studies (all workers)", position=0)
     try:
         while any(p.poll() is None for p, _, _ in workers):
             time.sleep(2.0)
             if overall is not None:
-                overall.n = _count_finished(args, studies)
+                overall.n = _count_trials(args, names)
                 overall.refresh()
     finally:
         for p, log, _ in workers:
@@ -239,17 +239,13 @@ def _without_devices(argv) -> list:
     return out
 
 
-def _count_finished(args, studies) -> int:
+def _count_trials(args, names) -> int:
+    """Trials the workers have started in these studies so far (each counted up to --trials)."""
     from . import search
 
-    total = 0
-    optuna = search._optuna()
-    names = {s.study_name: s for s in optuna.get_all_study_summaries(args.storage_handle)}
-    for key, bucket in studies:
-        for name, summary in names.items():
-            if name.endswith(f"-{key.label}-{bucket.name}"):
-                total += min(summary.n_trials, args.trials)
-    return total
+    summaries = search._optuna().get_all_study_summaries(args.storage_handle)
+    wanted = set(names)
+    return sum(min(s.n_trials, args.trials) for s in summaries if s.study_name in wanted)
 
 
 def _finish_all(args, arch, gpu, studies, search_first: bool = False) -> int:
@@ -275,17 +271,14 @@ def _finish_all(args, arch, gpu, studies, search_first: bool = False) -> int:
             print(f"splitkv-gen: {key.label} {bucket.name}: no candidate succeeded; nothing written for it",
                   file=sys.stderr)
             continue
-        compared = None
+        results = None
         if args.exhaustive:
             bar = _bar(True, total=len(space.enumerate_specs(key, arch)[0]), desc=f"exhaustive {key.label} {bucket.name}",
                        position=0)
             results = search.exhaustive(key, arch, objective, progress=bar)
             if bar is not None:
                 bar.close()
-            compared = search.compare_with_exhaustive(study, results)
-        outcome = search.finish(study, key, bucket, arch, objective, iters=args.iters * 2, exhaustive=compared)
-        if compared is not None and outcome.entry.spec is not None:
-            compared["tuned_spec_us"] = results.get(outcome.entry.spec.name)
+        outcome = search.finish(study, key, bucket, arch, objective, iters=args.iters * 2, exhaustive_results=results)
         outcomes.append(outcome)
         if path is not None:
             tables.save(path, header, [outcome.entry])

@@ -57,9 +57,7 @@ class GpuObjective(Objective):
         is planned with, ``jobs`` at a time (NVRTC releases the GIL); {name: reason} of failures."""
         from ..codegen import compile_cubin
 
-        needed = {}
-        for spec in specs:
-            needed[spec.name] = [spec, *_companions(spec, self.builtin_split, self.builtin_dense)]
+        needed = {spec.name: [spec, *_companions(spec, self.builtin_split, self.builtin_dense)] for spec in specs}
         every = {s.name: s for group in needed.values() for s in group}
         with ThreadPoolExecutor(max_workers=max(1, self.jobs)) as pool:
             futures = {name: pool.submit(compile_cubin, s) for name, s in every.items()}
@@ -68,9 +66,13 @@ class GpuObjective(Objective):
             try:
                 fut.result()
             except Exception as e:  # CompileError and its kin: the trial fails with the reason
-                errors[name] = f"compile: {type(e).__name__}: {_first_lines(e)}"
-        return {name: errors[name] if name in errors else next(errors[s.name] for s in group if s.name in errors)
-                for name, group in needed.items() if any(s.name in errors for s in group)}
+                errors[name] = f"compile {name}: {type(e).__name__}: {_first_lines(e)}"
+        failures = {}
+        for name, group in needed.items():
+            reasons = [errors[s.name] for s in group if s.name in errors]
+            if reasons:
+                failures[name] = reasons[0]
+        return failures
 
     # ---- measure ------------------------------------------------------------------------------
     def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
@@ -89,7 +91,7 @@ class GpuObjective(Objective):
                     attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, spec=split,
                                            dense_spec=dense, **paging)
                     variant = "dense" if dense_only else None
-                plan = attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
+                attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
                 inp.poison_output()
 
                 def call():
@@ -107,7 +109,7 @@ class GpuObjective(Objective):
             raise TrialFailed(f"{type(e).__name__}: {_first_lines(e)}") from e
         us = float(np.median(times))
         pct = 100.0 * inp.bytes_moved / (us * 1e-6) / 1e9 / self.copy_gbps
-        return Measurement(us, pct, dict(plan=str(plan)[:200]))
+        return Measurement(us, pct, dict(plan=attn.plan_info))
 
 
 def _companions(spec: KernelSpec, builtin_split: KernelSpec, builtin_dense: KernelSpec) -> list:

@@ -103,7 +103,8 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
                batch: int = BATCH, progress=None) -> int:
     """Ask, prune, compile and measure until the study holds ``trials`` finished trials (counting
     those of earlier runs and other workers) or ``timeout`` seconds pass; returns how many this
-    call finished."""
+    call finished. Workers sharing a study may overshoot by up to a batch each, since each asks
+    for what was missing when its batch began."""
     optuna = _optuna()
     start = time.monotonic()
     done_here = 0
@@ -196,15 +197,20 @@ def _median_measurement(ms: list) -> Measurement:
 
 
 def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective, *, top: int = CONFIRM_TOP,
-           iters: int | None = None, exhaustive: dict | None = None) -> Outcome:
-    """The study's entry: its best candidates confirmed against the built-in choice."""
+           iters: int | None = None, exhaustive_results: dict | None = None) -> Outcome:
+    """The study's entry: its best candidates confirmed against the built-in choice. With
+    ``exhaustive_results`` (see `exhaustive`), the entry also says how the search compares."""
     candidates = [spec for spec, _ in best_specs(study, key, arch, top)]
     figures = confirm(objective, candidates, iters=iters)
     winner = min(figures, key=lambda name: (figures[name].us, name is not None))  # ties: built-in
     spec = next((s for s in candidates if s.name == winner), None)
     tuned, default = figures[winner], figures[None]
+    compared = None
+    if exhaustive_results is not None:
+        compared = compare_with_exhaustive(study, exhaustive_results)
+        compared["tuned_spec_us"] = None if spec is None else exhaustive_results.get(spec.name)
     entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(finished(study)), today(),
-                  exhaustive)
+                  compared, tuned.detail.get("plan"))
     return Outcome(entry, trial_rows(study), {("built-in" if k is None else k): m.us for k, m in figures.items()},
                    objective.name)
 

@@ -19,6 +19,7 @@
       default_us: 38.2          # the built-in heuristic, same run
       trials: 40
       date: "2026-11-30"
+      plan: "split: B=1, 16 x 2048 tokens ..."  # how the winner planned the bucket (optional)
       exhaustive: {best_us: 37.8, points: 252, trials_to_within_3pct: 17}   # when it was run
 
 ``spec`` holds every KernelSpec field but the arch and the key's own; ``spec: null`` says the
@@ -46,7 +47,8 @@ from .keys import Bucket, TuneKey, gpu_file_stem
 
 SCHEMA = 1
 HEADER_FIELDS = ("schema", "gpu", "arch", "sm_count", "cuda_runtime", "nvrtc", "splitkv", "date")
-ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "bandwidth_pct", "default_us", "trials", "date", "exhaustive")
+ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "bandwidth_pct", "default_us", "trials", "date", "exhaustive",
+                "plan")
 #: KernelSpec fields an entry's spec leaves out: the table's arch, and the key's fields.
 _KEY_SPEC_FIELDS = ("arch", "head_dim", "group_size", "q_dtype", "kv_dtype", "page_size", "kv_layout")
 
@@ -68,6 +70,7 @@ class Entry:
     trials: int = 0
     date: str = ""
     exhaustive: dict | None = None
+    plan: str | None = None  # how the winner planned the bucket's shape (`DecodeAttention.plan_info`)
 
     @property
     def speedup(self) -> float:
@@ -86,6 +89,8 @@ class Entry:
                    default_us=_round(self.default_us), trials=int(self.trials), date=self.date)
         if self.exhaustive:
             out["exhaustive"] = dict(self.exhaustive)
+        if self.plan:
+            out["plan"] = self.plan
         return out
 
     @classmethod
@@ -113,7 +118,8 @@ class Entry:
             exhaustive = dict(_mapping(exhaustive, "exhaustive"))
         return cls(key, bucket, spec, float(data["tuned_us"]), float(data["default_us"]),
                    None if data.get("bandwidth_pct") is None else float(data["bandwidth_pct"]),
-                   int(data.get("trials", 0)), str(data.get("date", "")), exhaustive)
+                   int(data.get("trials", 0)), str(data.get("date", "")), exhaustive,
+                   None if data.get("plan") is None else str(data["plan"]))
 
 
 @dataclass(frozen=True)

@@ -241,7 +241,7 @@ class DecodeAttention:
             host_lens[int(np.argmax(host_lens))] = int(max_len)
         if self._tuned is not None and self._use_tuned(batch * self.num_kv_heads, int(host_lens.max(initial=0))) \
                 and variant is None:
-            variant = "dense"  # the tuned program of this bucket is dense: the tuner found no split faster
+            variant = "dense"  # the tuned program is dense, and the rows fill the GPU: no split was faster
         if variant == "units":
             if num_splits is not None or warp_heads:
                 raise ValueError("variant: 'units' plans take neither num_splits nor warp_heads")
@@ -331,7 +331,8 @@ class DecodeAttention:
         return plan
 
     def _use_tuned(self, rows: int, max_len: int) -> bool:
-        """Take the programs of the tuned entry nearest this workload; True when it is dense only."""
+        """Take the programs of the tuned entry nearest this workload; True when the plan must be
+        dense (`lookup.forces_dense`)."""
         entry = self._tuned.entry_for(rows, max_len)
         split, dense, dense_only = lookup.programs(entry.spec if entry else None, self.arch, self._tuned.key)
         if split != self.split_spec:
@@ -339,7 +340,7 @@ class DecodeAttention:
             self._whole_row_clusters = takes_whole_row_clusters(split)
             self._cluster_fit.clear()
         self.dense_spec, self.tuned_entry = dense, entry
-        return dense_only
+        return lookup.forces_dense(dense_only, rows, self.num_sms)
 
     def _device_lens(self, seq_lens, lens: np.ndarray):
         """The lengths the programs read: the caller's device array (lengths it rewrites in place

@@ -422,17 +422,22 @@ def test_runtime_launches_the_tuned_split_program(fake_gpu):
 
 
 def test_runtime_launches_the_tuned_dense_program(fake_gpu):
-    """Batches nearest bucket b32-l4k run the table's dense program, never split."""
+    """Batches nearest bucket b32-l4k whose rows fill the GPU run the table's dense program, never
+    split; nearer batches of fewer rows than SMs are left to the planner, which splits them with
+    the built-in split program."""
     _runtime_table(fake_gpu)
     attn = splitkv.DecodeAttention(32, 8, 128)
     launched = _launched(fake_gpu, attn, [4096] * 32)
     assert attn._launch.plan.variant == "dense" and attn.tuned_entry.bucket.name == "b32-l4k"
     assert _shape(launched) == _shape(TUNED_DENSE)
-    # 8 x 4k (64 rows) is nearest that bucket too: dense, where the heuristic alone would split.
-    launched = _launched(fake_gpu, attn, [4096] * 8)
+    # 17 x 8 rows fill the 132 SMs: the tuned dense program.
+    launched = _launched(fake_gpu, attn, [8192] * 17)
+    assert attn.tuned_entry.bucket.name == "b32-l4k"
     assert attn._launch.plan.variant == "dense" and _shape(launched) == _shape(TUNED_DENSE)
-    builtin = splitkv.DecodeAttention(32, 8, 128, tuned=False)
-    assert _launched(fake_gpu, builtin, [4096] * 8).variant == "split"
+    # 8 x 16k (64 rows) is nearest that bucket too, but leaves SMs idle unsplit: the planner splits.
+    launched = _launched(fake_gpu, attn, [16384] * 8)
+    assert attn.tuned_entry.bucket.name == "b32-l4k"
+    assert attn._launch.plan.variant == "split" and _shape(launched) == _shape(default_spec(ARCH, 128, 4))
     # A built-in entry (b1-l2k) puts the heuristic's programs back.
     launched = _launched(fake_gpu, attn, [2048])
     assert attn.tuned_entry.spec is None
@@ -486,7 +491,7 @@ def test_enumerated_candidates_are_valid_distinct_and_keep_the_key(key, arch):
 
 
 def _heuristic_keys():
-    for arch in ("sm_90", "sm_80"):
+    for arch in ("sm_90", "sm_80", "sm_89", "sm_120"):
         for kv_dtype in ("bf16", "fp16", "fp8_e4m3", "nvfp4"):
             if kv_dtype in QUANTIZED_KV_DTYPES and arch_number(arch) < 89:
                 continue  # no such program on sm_80
@@ -497,9 +502,10 @@ def _heuristic_keys():
                     yield TuneKey(head_dim, group, kv_dtype if kv_dtype in ("bf16", "fp16") else "bf16", kv_dtype), arch
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80", "sm_89", "sm_120"])
 def test_the_heuristics_programs_are_points_of_the_space(arch):
-    """params_of(default_spec) rebuilds the heuristic's split and dense programs of every key."""
+    """params_of(default_spec) rebuilds the heuristic's split and dense programs of every key, also
+    where shared memory is small and the heuristic takes fewer warps (sm_89, sm_120)."""
     checked = 0
     for key, key_arch in _heuristic_keys():
         if key_arch != arch:
@@ -509,7 +515,7 @@ def test_the_heuristics_programs_are_points_of_the_space(arch):
             params = space.params_of(spec, key, arch)
             assert space.build_spec(replay(params), key, arch) == spec, (key.label, variant, params)
             checked += 1
-    assert checked == {"sm_90": 2 * 12 * 4, "sm_80": 2 * 12 * 2}[arch]
+    assert checked == 2 * 12 * (2 if arch == "sm_80" else 4)
 
 
 def test_build_spec_refuses_an_overflowing_choice():
@@ -555,13 +561,17 @@ def _searched(trials: int, bucket: str = "b1-l2k", **recording):
 
 
 def test_run_trials_stops_at_the_asked_count():
-    """run_trials finishes exactly the asked number of trials, counting earlier ones."""
+    """run_trials measures exactly the asked number of candidates, counting earlier ones; pruned
+    and repeated candidates cost no measurement and are not counted."""
     pytest.importorskip("optuna")
     study, obj, done = _searched(13)
-    assert done == 13 and len(search.finished(study)) == 13
+    assert done == 13 and len(search.measured(study)) == 13
+    assert len(search.finished(study)) > 13  # some were invalid combinations, pruned
     assert search.run_trials(study, KEY, ARCH, obj, trials=13) == 0
     assert search.run_trials(study, KEY, ARCH, obj, trials=17) == 4
-    assert len(search.finished(study)) == 17
+    assert len(search.measured(study)) == 17
+    names = [t.user_attrs["spec"] for t in search.measured(study)]
+    assert len(names) == len(set(names))  # no candidate measured twice
 
 
 def test_the_heuristics_programs_are_the_first_trials():
@@ -585,9 +595,12 @@ def test_finish_is_never_slower_than_the_default(bucket):
     assert e.tuned_us <= e.default_us and e.speedup >= 1
     assert e.trials == 24 and e.bucket.name == bucket and e.key == KEY
     assert outcome.objective == obj.name and "built-in" in outcome.confirm
-    assert outcome.confirm["built-in"] == e.default_us
-    assert outcome.confirm["built-in" if e.spec is None else e.spec.name] == e.tuned_us
-    assert len(outcome.trials) == 24
+    if e.spec is None:
+        assert e.tuned_us == e.default_us == outcome.confirm["built-in"]
+    else:  # the final round's figures, the candidate MARGIN faster there
+        assert (e.tuned_us, e.default_us) == (outcome.confirm[f"final {e.spec.name}"], outcome.confirm["final built-in"])
+        assert e.tuned_us <= e.default_us * (1 - search.MARGIN)
+    assert len(outcome.trials) >= 24
 
 
 def test_a_failing_candidate_is_a_failed_trial_and_never_wins():
@@ -662,11 +675,11 @@ def test_a_second_process_resumes_the_study(tmp_path):
     journal = tmp_path / "j.log"
     assert _run_worker(journal, 7) == "ran 7"
     before = _finished_states(_journal_study(journal))
-    assert len(before) == 7
+    assert len(search.measured(_journal_study(journal))) == 7
     assert _run_worker(journal, 15) == "ran 8"
     study = _journal_study(journal)
     after = _finished_states(study)
-    assert len(after) == 15
+    assert len(search.measured(study)) == 15
     assert {n: after[n] for n in before} == before
     # The built-in programs were enqueued once, not again by the second run.
     assert sorted(t.user_attrs.get("builtin") for t in study.trials if "builtin" in t.user_attrs) == ["dense", "split"]
@@ -698,11 +711,16 @@ def test_a_killed_run_loses_nothing_it_finished(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     before = _finished_states(_journal_study(journal))
     assert sum(state == "COMPLETE" for state, _, _ in before.values()) >= 3
-    target = len(before) + 6
+    target = len(search.measured(_journal_study(journal))) + 6
     assert _run_worker(journal, target) == "ran 6"
-    after = _finished_states(_journal_study(journal))
-    assert len(after) == target
+    study = _journal_study(journal)
+    after = _finished_states(study)
+    assert len(search.measured(study)) == target
     assert {n: after[n] for n in before} == before
+    # The trials the killed process was measuring are failed as interrupted, and not counted.
+    assert not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    interrupted = [t for t in study.trials if t.user_attrs.get("interrupted")]
+    assert interrupted and all(t.state.name == "FAIL" for t in interrupted)
 
 
 # ---- splitkv-gen --tune -------------------------------------------------------------------------
@@ -728,14 +746,14 @@ def test_cli_tunes_with_the_cost_model(tmp_path, capsys):
     assert table.gpu == "cost model" and table.arch == "sm_90"
     assert "speedup" in (rep / "summary.md").read_text()
     results = json.loads((rep / "results.json").read_text())
-    assert len(results["studies"]) == 1 and len(results["studies"][0]["trials"]) == 12
+    assert len(results["studies"]) == 1 and len(results["studies"][0]["trials"]) >= 12
     assert "cost model" in results["objective"]
     (png,) = rep.glob("chunk-*.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     assert cli.main(argv) == 0  # resumed: the study already holds its trials
-    name = keys.study_name("", "cost model", "sm_90", KEY, keys.parse_bucket("b1-l2k"))
-    assert len(search.open_study(name, str(tmp_path / "j.log")).trials) == 12
+    name = keys.study_name("", "cost model", "sm_90", KEY, keys.parse_bucket("b1-l2k"), keys.code_version())
+    assert len(search.measured(search.open_study(name, str(tmp_path / "j.log")))) == 12
 
 
 def test_cli_tune_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):
@@ -881,3 +899,58 @@ def test_an_entry_keeps_the_plan_its_program_ran(tmp_path):
     loaded = {e.bucket.name: e for e in tables.load(path).entries}
     assert loaded["b32-l4k"].plan == ran and loaded["b1-l2k"].plan is None
     assert "plan:" not in path.read_text().split("b1-l2k")[1].split("- key")[0]  # absent stays absent
+
+
+def test_cli_says_so_when_the_table_cannot_be_written(tmp_path, capsys):
+    """A table folder that cannot be written ends the run with status 2 and a message naming it."""
+    pytest.importorskip("optuna")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    assert cli.main(_tune_argv(tmp_path, "--cost-model", "--out", str(blocked))) == 2
+    assert "cannot write the table" in capsys.readouterr().err
+
+
+def _numpy_as_cupy(monkeypatch):
+    """NumPy in CuPy's place, for the parts of the GPU objective that are array arithmetic."""
+    import types
+
+    import numpy as np
+
+    shim = types.SimpleNamespace(**{name: getattr(np, name) for name in (
+        "float16", "float32", "float64", "uint16", "uint32", "nan", "einsum", "exp", "stack", "asarray", "isfinite",
+        "abs", "empty_like", "random")}, asnumpy=np.asarray)
+    monkeypatch.setitem(sys.modules, "cupy", shim)
+    return np
+
+
+@pytest.mark.parametrize("key", [TuneKey(64, 4), TuneKey(128, 8, "fp16", "fp16"), TuneKey(64, 2, page_size=16),
+                                 TuneKey(64, 2, page_size=8, kv_layout="HND")], ids=lambda k: k.label)
+def test_the_objectives_inputs_and_reference(monkeypatch, key):
+    """The GPU objective's inputs are random values of the key's type (never zeros), its reference
+    is float64 attention over each sequence's own tokens (ragged lengths), a paged cache holds the
+    same rows behind its block table, and the check passes the reference rounded to the output
+    type and fails a poisoned output."""
+    np = _numpy_as_cupy(monkeypatch)
+    from splitkv.autotune import measure
+    from splitkv.paged import gather_pages
+    from splitkv.reference import attention_reference
+
+    lens = [37, 100, 64]
+    inputs = measure.BucketInputs(key, lens, seed=5)
+    q64 = measure._as_f64(inputs.q, key.q_dtype)
+    assert q64.shape == (3, 8 * key.group_size, key.head_dim) and np.count_nonzero(q64) == q64.size
+    k, v = inputs.k, inputs.v
+    if key.page_size:
+        k = gather_pages(k, inputs.block_table, lens, key.kv_layout, max(lens))
+        v = gather_pages(v, inputs.block_table, lens, key.kv_layout, max(lens))
+    k64, v64 = measure._as_f64(np.asarray(k), key.kv_dtype), measure._as_f64(np.asarray(v), key.kv_dtype)
+    want, _ = attention_reference(q64, k64, v64, lens)
+    np.testing.assert_allclose(inputs.ref, want, rtol=1e-12, atol=1e-12)
+    assert inputs.bytes_moved == 2 * sum(lens) * 8 * key.head_dim * 2 + 2 * q64.size * 2
+
+    rounded = inputs.ref.astype(np.float32)
+    inputs.out = (rounded.astype(np.float16) if key.q_dtype == "fp16" else
+                  ((rounded.view(np.uint32) + 0x7FFF + ((rounded.view(np.uint32) >> 16) & 1)) >> 16).astype(np.uint16))
+    assert inputs.error() < 1e-2
+    inputs.poison_output()
+    assert inputs.error() == float("inf")

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .. import spec as spec_module
-from .keys import BUCKETS, TuneKey, parse_bucket, study_name
+from .keys import BUCKETS, TuneKey, code_version, parse_bucket, study_name
 from .lookup import COST_MODEL_GPU
 
 #: Head dims, groups of the default tuning run (the shipped table); every K/V dtype of the arch.
@@ -25,6 +25,10 @@ DEFAULT_HEAD_DIMS = (64, 128, 256)
 DEFAULT_GROUPS = (1, 4, 8)
 DEFAULT_TRIALS = 24
 WORKER_FLAG = "--tune-worker"
+#: A worker's index among those of one run (mixed into its sampler's seed).
+WORKER_ENV = "SPLITKV_TUNE_WORKER"
+#: Exit status when a candidate left the GPU unusable (EX_TEMPFAIL: run it again to go on).
+EXIT_CONTEXT_LOST = 75
 
 
 def keys_for(arch: str, head_dims, group_sizes, kv_dtypes, page_sizes, kv_layout) -> list[TuneKey]:
@@ -82,6 +86,9 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
             or list(BUCKETS)
     except ValueError as e:
         parser.error(f"--{e}")
+    if arch != f"sm_{spec_module.arch_number(arch)}":
+        parser.error(f"--arch: tune {arch.rstrip('a')}, not {arch}: the runtime looks tables up by the GPU's "
+                     f"compute capability, and arch-specific programs are not tuned separately")
     keys = keys_for(arch, head_dims, group_sizes, kv_dtypes, page_sizes, args.kv_layout)
     devices = _devices(parser, args.devices)
     workers = bool(devices) and (len(devices) > 1 or devices[0] != 0)
@@ -99,6 +106,10 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     gpu = _check_gpu(arch, args.cost_model)
     if isinstance(gpu, int):
         return gpu
+    problem = _check_table(args, arch, gpu)
+    if problem:
+        print(f"splitkv-gen: {problem}", file=sys.stderr)
+        return 2
     args.storage_handle = search.make_storage(args.storage)  # one handle: an in-memory study lives in it
     studies = [(key, bucket) for key in keys for bucket in buckets]
     print(f"tuning {len(keys)} keys x {len(buckets)} buckets = {len(studies)} studies of {args.trials} trials "
@@ -106,7 +117,7 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     if args.tune_worker:
         return _search_all(args, arch, gpu, studies, progress=False)
     if workers:
-        rc = _run_workers(args, devices, [study_name(args.study, gpu["name"], arch, k, b) for k, b in studies])
+        rc = _run_workers(args, devices, [_study_name(args, gpu, arch, k, b) for k, b in studies])
         if rc:
             return rc
         return _finish_all(args, arch, gpu, studies)
@@ -146,50 +157,117 @@ def _check_gpu(arch: str, cost_model: bool):
                 nvrtc=info["nvrtc_version"] or "unknown")
 
 
-def _objective(args, key, bucket, arch):
+class _Lazy:
+    """A study's objective, built at its first use (its inputs cost GPU memory and seconds) and
+    closed at the end of the study, so that one bucket's inputs are never held beside the next's."""
+
+    def __init__(self, build):
+        self._build, self._objective = build, None
+
+    def get(self):
+        if self._objective is None:
+            self._objective = self._build()
+        return self._objective
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._objective is not None:
+            self._objective.close()
+            self._objective = None
+
+
+def _table_path(args, arch, gpu):
+    """Where the table goes (None: a cost-model run without --out writes none)."""
+    from . import tables
+    from .lookup import shipped_dir
+
+    out_dir = args.out if args.out is not None or args.cost_model else shipped_dir()
+    return None if out_dir is None else tables.table_path(out_dir, arch, gpu["name"])
+
+
+def _check_table(args, arch, gpu) -> str | None:
+    """Why the table could not take this run's entries (before hours of tuning), or None."""
+    from . import tables
+
+    path = _table_path(args, arch, gpu)
+    if path is None or not path.exists():
+        return None
+    try:
+        old = tables.load(path)
+    except tables.TableError as e:
+        return f"the table there cannot be merged into: {e}; move it away or give --out"
+    if old.gpu != gpu["name"] or old.arch != arch:
+        return f"{path} holds {old.gpu} ({old.arch}), not {gpu['name']} ({arch}); give --out"
+    if not os.access(path.parent, os.W_OK):
+        return f"{path.parent} is not writable; give --out"
+    return None
+
+
+def _objective(args, key, bucket, arch) -> _Lazy:
     if args.cost_model:
         from .costmodel import CostModelObjective
 
-        return CostModelObjective(key, bucket, arch)
+        return _Lazy(lambda: CostModelObjective(key, bucket, arch))
     from .measure import GpuObjective
 
-    return GpuObjective(key, bucket, iters=args.iters, seed=args.seed, jobs=os.cpu_count() or 1)
+    return _Lazy(lambda: GpuObjective(key, bucket, iters=args.iters, seed=args.seed, jobs=os.cpu_count() or 1))
+
+
+def _study_name(args, gpu, arch, key, bucket) -> str:
+    return study_name(args.study, gpu["name"], arch, key, bucket, code_version())
 
 
 def _study(args, gpu, arch, key, bucket):
     from . import search
 
-    study = search.open_study(study_name(args.study, gpu["name"], arch, key, bucket), args.storage_handle, args.seed)
+    study = search.open_study(_study_name(args, gpu, arch, key, bucket), args.storage_handle, args.seed,
+                              worker=int(os.environ.get(WORKER_ENV, "0")))
     search.enqueue_defaults(study, key, bucket, arch)
     return study
 
 
 def _search_all(args, arch, gpu, studies, progress: bool) -> int:
     """Every study's search, no confirmation and no table: what a worker does."""
+    from .objective import ContextLost
+
     overall = _bar(progress, total=len(studies) * args.trials, desc="all studies", position=0)
-    for key, bucket in studies:
-        _search(args, gpu, arch, key, bucket, _objective(args, key, bucket, arch), overall, progress)
-    if overall is not None:
-        overall.close()
+    try:
+        for key, bucket in studies:
+            with _objective(args, key, bucket, arch) as objective:
+                _search(args, gpu, arch, key, bucket, objective, overall, progress)
+    except ContextLost as e:
+        return _context_lost(e)
+    finally:
+        if overall is not None:
+            overall.close()
     return 0
 
 
 def _search(args, gpu, arch, key, bucket, objective, overall, progress: bool):
-    """Run the study's remaining trials; returns the study."""
+    """Run the study's remaining trials; returns the study. ``objective`` is a `_Lazy`: built only
+    when trials are missing."""
     from . import search
 
     study = _study(args, gpu, arch, key, bucket)
-    done = len(search.finished(study))
+    done = len(search.measured(study))
     if overall is not None:
         overall.update(min(done, args.trials))
     if done < args.trials:
         bar = _bar(progress, total=args.trials, initial=done, desc=f"{key.label} {bucket.name}", position=1,
                    leave=False)
-        search.run_trials(study, key, arch, objective, trials=args.trials, timeout=args.timeout,
+        search.run_trials(study, key, arch, objective.get(), trials=args.trials, timeout=args.timeout,
                           progress=_Both(bar, overall))
         if bar is not None:
             bar.close()
     return study
+
+
+def _context_lost(e) -> int:
+    print(f"splitkv-gen: the GPU can run nothing more in this process: {e}\nThe candidate that did it is "
+          f"recorded as failed; run the same command again (same --storage) to go on past it.", file=sys.stderr)
+    return EXIT_CONTEXT_LOST
 
 
 def _run_workers(args, devices, names) -> int:
@@ -199,7 +277,7 @@ def _run_workers(args, devices, names) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="splitkv-tune-workers-"))
     workers = []
     for index, device in enumerate(devices):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device), **{WORKER_ENV: str(index + 1)})
         log = open(log_dir / f"worker-{index}-gpu{device}.log", "w")  # noqa: SIM115 - closed below
         workers.append((subprocess.Popen([sys.executable, "-m", "splitkv.cli", *argv, WORKER_FLAG], env=env,
                                          stdout=log, stderr=subprocess.STDOUT), log, device))
@@ -251,49 +329,74 @@ def _count_trials(args, names) -> int:
 def _finish_all(args, arch, gpu, studies, search_first: bool = False) -> int:
     """Confirm each study's winner against the built-in choice (searching it first, in one-process
     runs), write it to the table at once, print the summary."""
-    from . import search, space, tables
-    from .lookup import shipped_dir
+    from . import tables
+    from .objective import ContextLost, TrialFailed
 
     header = tables.make_header(gpu["name"], arch, gpu["sm_count"], gpu["cuda_runtime"], gpu["nvrtc"], _version())
-    out_dir = args.out
-    if out_dir is None and not args.cost_model:
-        out_dir = shipped_dir()
-    path = tables.table_path(out_dir, arch, gpu["name"]) if out_dir is not None else None
-    outcomes = []
+    path = _table_path(args, arch, gpu)
+    outcomes, failed = [], 0
     overall = _bar(search_first, total=len(studies) * args.trials, desc="all studies", position=0)
     for key, bucket in studies:
-        objective = _objective(args, key, bucket, arch)
-        if search_first:
-            study = _search(args, gpu, arch, key, bucket, objective, overall, True)
-        else:
-            study = _study(args, gpu, arch, key, bucket)
-        if not search.best_specs(study, key, arch, 1):
-            print(f"splitkv-gen: {key.label} {bucket.name}: no candidate succeeded; nothing written for it",
-                  file=sys.stderr)
+        try:
+            with _objective(args, key, bucket, arch) as objective:
+                outcome = _finish(args, gpu, arch, key, bucket, objective, overall if search_first else None,
+                                  search_first)
+        except ContextLost as e:
+            return _context_lost(e)
+        except TrialFailed as e:  # the built-in choice itself failed here: say so, go on
+            print(f"splitkv-gen: {key.label} {bucket.name}: the built-in choice failed, so nothing is written "
+                  f"for it: {e}", file=sys.stderr)
+            failed += 1
             continue
-        results = None
-        if args.exhaustive:
-            bar = _bar(True, total=len(space.enumerate_specs(key, arch)[0]), desc=f"exhaustive {key.label} {bucket.name}",
-                       position=0)
-            results = search.exhaustive(key, arch, objective, progress=bar)
-            if bar is not None:
-                bar.close()
-        outcome = search.finish(study, key, bucket, arch, objective, iters=args.iters * 2, exhaustive_results=results)
+        if outcome is None:
+            failed += 1
+            continue
         outcomes.append(outcome)
         if path is not None:
-            tables.save(path, header, [outcome.entry])
+            try:
+                tables.save(path, header, [outcome.entry])
+            except (OSError, tables.TableError) as e:
+                # The finished trials stay in --storage: the run can be resumed with another --out.
+                print(f"splitkv-gen: cannot write the table {path}: {e}; give a writable folder with --out "
+                      f"(the trials are kept in --storage, if one was given)", file=sys.stderr)
+                return 2
     if overall is not None:
         overall.close()
+    from .report import format_summary
+
     print(format_summary([o.entry for o in outcomes]))
     if path is not None and outcomes:
         print(f"wrote {len(outcomes)} entries to {path}", file=sys.stderr)
     if args.report is not None and outcomes:
         from . import report
 
-        sweeps = {} if args.cost_model else _sweeps(outcomes, out_dir)
+        sweeps = {} if args.cost_model else _sweeps(outcomes, path.parent.parent)
         written = report.write(args.report, outcomes, header, sweeps)
         print(f"wrote the report to {written}", file=sys.stderr)
-    return 0 if outcomes else 1
+    return 0 if outcomes and not failed else 1
+
+
+def _finish(args, gpu, arch, key, bucket, objective, overall, search_first: bool):
+    """One study's outcome (searched first in one-process runs), or None when no candidate
+    succeeded."""
+    from . import search, space
+
+    if search_first:
+        study = _search(args, gpu, arch, key, bucket, objective, overall, True)
+    else:
+        study = _study(args, gpu, arch, key, bucket)
+    if not search.best_specs(study, key, arch, 1):
+        print(f"splitkv-gen: {key.label} {bucket.name}: no candidate succeeded; nothing written for it",
+              file=sys.stderr)
+        return None
+    results = None
+    if args.exhaustive:
+        bar = _bar(True, total=len(space.enumerate_specs(key, arch)[0]), desc=f"exhaustive {key.label} {bucket.name}",
+                   position=0)
+        results = search.exhaustive(key, arch, objective.get(), progress=bar)
+        if bar is not None:
+            bar.close()
+    return search.finish(study, key, bucket, arch, objective.get(), iters=args.iters * 2, exhaustive_results=results)
 
 
 def _sweeps(outcomes, table_dir) -> dict:
@@ -327,16 +430,6 @@ def _sweeps(outcomes, table_dir) -> dict:
         else:
             os.environ[lookup.ENV_DIR] = previous
         lookup.forget()
-
-
-def format_summary(entries) -> str:
-    rows = [("key", "bucket", "default µs", "tuned µs", "speedup", "% copy bw", "tuned program")]
-    for e in entries:
-        rows.append((e.key.label, e.bucket.name, f"{e.default_us:.2f}", f"{e.tuned_us:.2f}", f"{e.speedup:.3f}x",
-                     "-" if e.bandwidth_pct is None else f"{e.bandwidth_pct:.1f}",
-                     "built-in" if e.spec is None else e.spec.name))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 class _Both:

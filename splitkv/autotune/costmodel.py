@@ -29,12 +29,10 @@ class CostModelObjective(Objective):
 
     def __init__(self, key: TuneKey, bucket: Bucket, arch: str = "sm_90"):
         self.key, self.bucket, self.arch = key, bucket, arch
-        self.calls = 0
 
     def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
         from ..heuristics import default_spec
 
-        self.calls += 1
         if spec is None:
             spec = default_spec(self.arch, self.key.head_dim, self.key.group_size, self.key.q_dtype,
                                 self.key.kv_dtype, "split", self.key.page_size, self.key.kv_layout)

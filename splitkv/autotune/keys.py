@@ -11,9 +11,12 @@ finds the bucket of one sequence of 8 heads, which runs the same CTAs.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..spec import HEAD_DIMS, KV_DTYPES, KV_LAYOUTS, MAX_GROUP, PAGE_SIZES, Q_DTYPES
 
@@ -147,6 +150,20 @@ def gpu_file_stem(gpu_name: str) -> str:
     return stem
 
 
-def study_name(prefix: str, gpu_name: str, arch: str, key: TuneKey, bucket: Bucket) -> str:
-    """One study per (GPU model, arch, key, bucket), under an optional user prefix."""
-    return f"{prefix}{gpu_file_stem(gpu_name)}-{arch}-{key.label}-{bucket.name}"
+def study_name(prefix: str, gpu_name: str, arch: str, key: TuneKey, bucket: Bucket, version: str = "") -> str:
+    """One study per (GPU model, arch, key, bucket, code version), under an optional user prefix."""
+    return f"{prefix}{gpu_file_stem(gpu_name)}-{arch}-{key.label}-{bucket.name}" + (f"-{version}" if version else "")
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """8 hex digits of the splitkv version and the templates: a study measured other programs when
+    they differ, so a changed template starts new studies instead of resuming old figures."""
+    from .. import __version__
+
+    digest = hashlib.sha256(__version__.encode())
+    folder = Path(__file__).resolve().parent.parent / "templates"
+    for path in sorted(folder.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:8]

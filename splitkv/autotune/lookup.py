@@ -63,7 +63,10 @@ def _read(path: Path, mtime_ns: int) -> tables.Table | None:
         return tables.load(path)
     except tables.TableError as e:
         _warn_once(str(path), f"splitkv: ignoring tuned table {e}; using the next table or the built-in choice")
-        return None
+    except Exception as e:  # noqa: BLE001 - whatever a file does, serving goes on without it
+        _warn_once(str(path), f"splitkv: ignoring tuned table {path} ({type(e).__name__}: {e}); using the next "
+                              f"table or the built-in choice")
+    return None
 
 
 def read_table(path: Path) -> tables.Table | None:
@@ -110,9 +113,10 @@ def programs(spec: KernelSpec | None, arch: str, key: TuneKey) -> tuple[KernelSp
     """(split program, dense program, dense only) for a tuned entry's spec (None: the built-in choice).
 
     A tuned split program serves every plan of its bucket the planner splits, and the built-in dense
-    program the plans it does not; a tuned dense program means the bucket is not split at all
-    (the tuner measured it so against every split candidate). The tuner measures each candidate
-    planned this way, so what it measured is what the runtime runs."""
+    program the plans it does not; a tuned dense program serves the dense plans, and makes dense
+    the plans that fill the GPU in rows (`forces_dense`), where the tuner measured it against every
+    split candidate. The tuner measures each candidate planned this way, so what it measured is
+    what the runtime runs."""
     fields = key.spec_fields()
     builtin_split = default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype, "split",
                                  key.page_size, key.kv_layout)
@@ -124,6 +128,13 @@ def programs(spec: KernelSpec | None, arch: str, key: TuneKey) -> tuple[KernelSp
     if spec.variant == "dense":
         return builtin_split, spec, True
     return spec, builtin_dense, False
+
+
+def forces_dense(dense_only: bool, rows: int, num_sms: int) -> bool:
+    """Whether a tuned dense program makes a plan dense: only where the rows (sequences x K/V heads)
+    fill every SM, the regime of the buckets a dense program can win. Fewer rows than SMs leave
+    the choice to the planner, which splits them (a bucket's nearest plans may lie far from it)."""
+    return dense_only and rows >= num_sms
 
 
 def _warn_once(token, message: str) -> None:

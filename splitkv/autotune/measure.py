@@ -20,7 +20,7 @@ import numpy as np
 from ..spec import QUANTIZED_KV_DTYPES, KernelSpec, MergeSpec
 from . import lookup
 from .keys import REFERENCE_KV_HEADS, Bucket, TuneKey
-from .objective import Measurement, Objective, TrialFailed
+from .objective import ContextLost, Measurement, Objective, TrialFailed
 
 #: Largest error a candidate may show, relative to the largest reference value (outputs are
 #: rounded to 16 bits: 2^-8 relative per element).
@@ -45,11 +45,19 @@ class GpuObjective(Objective):
         self.jobs = jobs
         self.iters = iters
         self.harness = Harness(iters, warmup, FLUSH_BYTES)
+        self.seed = seed
         with self.harness.active():
             self.harness.flush_us = self.harness.flush_time_us()
-            self.copy_gbps = copy_gbps or copy_bandwidth_gbps(self.harness)
-            self.inputs = BucketInputs(key, bucket, seed)
+            self.copy_gbps = copy_gbps or _copy_bandwidth(device.id, self.harness)
+            self.inputs = BucketInputs(key, [bucket.seq_len] * bucket.batch, seed)
         self.builtin_split, self.builtin_dense, _ = lookup.programs(None, self.arch, key)
+
+    def close(self) -> None:
+        """Free the bucket's inputs and the flush buffer, and hand CuPy's pooled blocks back."""
+        import cupy
+
+        self.inputs = self.harness = None
+        cupy.get_default_memory_pool().free_all_blocks()
 
     # ---- compile ------------------------------------------------------------------------------
     def prepare(self, specs) -> dict:
@@ -76,45 +84,86 @@ class GpuObjective(Objective):
 
     # ---- measure ------------------------------------------------------------------------------
     def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
-        from .. import DecodeAttention
-
-        k, inp = self.key, self.inputs
-        try:
-            with self.harness.active():
-                paging = dict(page_size=k.page_size or None, kv_layout=k.kv_layout)
-                heads = (k.group_size * REFERENCE_KV_HEADS, REFERENCE_KV_HEADS, k.head_dim)
-                if spec is None:
-                    attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, tuned=False, **paging)
-                    variant = None
-                else:
-                    split, dense, dense_only = lookup.programs(spec, self.arch, k)
-                    attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, spec=split,
-                                           dense_spec=dense, **paging)
-                    variant = "dense" if dense_only else None
-                attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
-                inp.poison_output()
-
-                def call():
-                    attn.run(inp.q, inp.k, inp.v, out=inp.out)
-
-                call()
-                self.harness.synchronize()
-                error = inp.error()
-                if not error <= TOLERANCE:
-                    raise TrialFailed(f"wrong result: max error {error:.3g} of max |ref| (tolerance {TOLERANCE})")
+        inp = self.inputs
+        with self.harness.active():
+            attn, call = self._checked(spec, inp, variant=None)
+            try:
                 times = self.harness.time(call, iters or self.iters)
-        except TrialFailed:
-            raise
-        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is a failed trial
-            raise TrialFailed(f"{type(e).__name__}: {_first_lines(e)}") from e
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot run is a failed trial
+                raise _failure(e) from e
         us = float(np.median(times))
         pct = 100.0 * inp.bytes_moved / (us * 1e-6) / 1e9 / self.copy_gbps
         return Measurement(us, pct, dict(plan=attn.plan_info))
 
+    def verify(self, spec: KernelSpec) -> str | None:
+        """A winner checked once more on a ragged batch of lengths no chunk, tile or page divides,
+        planned as the runtime plans it and, for a split program, as its units program (which the
+        runtime takes for ragged batches); the reason it fails, or None."""
+        n = self.bucket.seq_len
+        lens = [max(n - 37, 1), n // 3 + 5]
+        variants = [None, "units"] if spec.variant == "split" else [None]
+        try:
+            with self.harness.active():
+                inputs = BucketInputs(self.key, lens, self.seed + 1)
+                for variant in variants:
+                    self._checked(spec, inputs, variant)
+        except TrialFailed as e:
+            return f"lengths {lens}" + (f" ({variant} program)" if variant else "") + f": {e}"
+        return None
+
+    def _checked(self, spec: KernelSpec | None, inp: "BucketInputs", variant: str | None):
+        """(DecodeAttention planned for ``inp`` as the runtime plans ``spec``, its call), after one
+        call checked against the reference; raises TrialFailed (ContextLost when the GPU is gone).
+        ``variant`` 'units' forces the units program."""
+        from .. import DecodeAttention
+
+        k = self.key
+        try:
+            paging = dict(page_size=k.page_size or None, kv_layout=k.kv_layout)
+            heads = (k.group_size * REFERENCE_KV_HEADS, REFERENCE_KV_HEADS, k.head_dim)
+            if spec is None:
+                attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, tuned=False, **paging)
+            else:
+                split, dense, dense_only = lookup.programs(spec, self.arch, k)
+                attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, spec=split, dense_spec=dense,
+                                       **paging)
+                if variant is None and lookup.forces_dense(dense_only, len(inp.seq_lens) * REFERENCE_KV_HEADS,
+                                                           attn.num_sms):
+                    variant = "dense"
+            attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
+            inp.poison_output()
+
+            def call():
+                attn.run(inp.q, inp.k, inp.v, out=inp.out)
+
+            call()
+            self.harness.synchronize()
+            error = inp.error()
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is a failed trial
+            raise _failure(e) from e
+        if not error <= TOLERANCE:
+            raise TrialFailed(f"wrong result: max error {error:.3g} of max |ref| (tolerance {TOLERANCE})")
+        return attn, call
+
+
+def _failure(e: BaseException) -> TrialFailed:
+    """The failed trial for an exception: ContextLost when the GPU can no longer synchronise (a
+    sticky error such as an illegal address poisons the context for everything after it)."""
+    import cupy
+
+    reason = f"{type(e).__name__}: {_first_lines(e)}"
+    try:
+        cupy.cuda.runtime.deviceSynchronize()
+    except Exception as lost:  # noqa: BLE001 - whatever the driver says, nothing more can run
+        return ContextLost(f"{reason} (then: {type(lost).__name__}: {_first_lines(lost)})")
+    return TrialFailed(reason)
+
 
 def _companions(spec: KernelSpec, builtin_split: KernelSpec, builtin_dense: KernelSpec) -> list:
-    """The other programs a candidate's plans load: the built-in program of the other variant, the
-    cluster sizes the planner may fit (powers of two), and the merge program."""
+    """The other programs a candidate's plans load, compiled with it in parallel: the built-in
+    program of the other variant, the power-of-two cluster sizes the planner fits first (a size in
+    between, which its whole-row search may ask for after those, compiles when asked), and the merge
+    program."""
     out = [builtin_split if spec.variant == "dense" else builtin_dense]
     if spec.variant == "split":
         size = 2
@@ -124,6 +173,17 @@ def _companions(spec: KernelSpec, builtin_split: KernelSpec, builtin_dense: Kern
         out.append(spec.replace(cluster=1))
     out.append(MergeSpec(arch=spec.arch, head_dim=spec.head_dim, out_dtype=spec.q_dtype))
     return out
+
+
+_COPY_GBPS: dict = {}
+
+
+def _copy_bandwidth(device: int, harness) -> float:
+    """`copy_bandwidth_gbps`, measured once per device and process: every entry of a run is a share
+    of the same figure."""
+    if device not in _COPY_GBPS:
+        _COPY_GBPS[device] = copy_bandwidth_gbps(harness)
+    return _COPY_GBPS[device]
 
 
 def copy_bandwidth_gbps(harness) -> float:
@@ -136,37 +196,48 @@ def copy_bandwidth_gbps(harness) -> float:
 
 
 class BucketInputs:
-    """The bucket's inputs on the current device, its reference, and the output buffer."""
+    """Inputs of ``seq_lens`` sequences (8 K/V heads) for a key on the current device, the float64
+    reference, and the output buffer. The cache holds the longest length for every sequence; the
+    reference reads each sequence's own, one sequence at a time (so a 32 x 4k bucket at head_dim
+    256 never holds its whole cache in float64)."""
 
-    def __init__(self, key: TuneKey, bucket: Bucket, seed: int):
+    def __init__(self, key: TuneKey, seq_lens, seed: int):
         import cupy
 
         import splitkv
 
         rng = cupy.random.default_rng(seed)
         hkv, g, d = REFERENCE_KV_HEADS, key.group_size, key.head_dim
-        batch, length = bucket.batch, bucket.seq_len
-        self.seq_lens = [length] * batch
+        self.seq_lens = [int(n) for n in seq_lens]
+        batch, length = len(self.seq_lens), max(self.seq_lens)
         q = _random(rng, (batch, hkv * g, d), key.q_dtype)
         quantized = key.kv_dtype in QUANTIZED_KV_DTYPES
         k16 = _random(rng, (batch, length, hkv, d), "bf16" if quantized else key.kv_dtype)
         v16 = _random(rng, (batch, length, hkv, d), "bf16" if quantized else key.kv_dtype)
         if quantized:
             k, v = splitkv.quantize_kv(k16, key.kv_dtype), splitkv.quantize_kv(v16, key.kv_dtype)
-            k64 = cupy.asarray(k.dequantize_reference())
-            v64 = cupy.asarray(v.dequantize_reference())
+            k_host, v_host = k.dequantize_reference(), v.dequantize_reference()  # float64, on the host
+
+            def values(b, n):
+                return cupy.asarray(k_host[b, :n]), cupy.asarray(v_host[b, :n])
             kv_bytes = sum(_nbytes(x) for x in (k.values, k.block_scales, v.values, v.block_scales))
         else:
             k, v = k16, v16
-            k64, v64 = _as_f64(k16, key.kv_dtype), _as_f64(v16, key.kv_dtype)
+
+            def values(b, n):
+                return _as_f64(k16[b, :n], key.kv_dtype), _as_f64(v16[b, :n], key.kv_dtype)
             kv_bytes = _nbytes(k) + _nbytes(v)
+        # What the programs read: every sequence's own tokens (the cache past them is never read).
+        kv_bytes = kv_bytes * sum(self.seq_lens) // (batch * length)
+        q64 = _as_f64(q, key.q_dtype)
+        self.ref = cupy.stack([_reference(q64[b], *values(b, n), 1.0 / math.sqrt(d))
+                               for b, n in enumerate(self.seq_lens)])
         self.block_table = None
         if key.page_size:
             k, v, self.block_table = _paged(k, v, key, batch, length, seed)
         self.q, self.k, self.v = q, k, v
         self.out = cupy.empty_like(q)
         self.bytes_moved = kv_bytes + 2 * _nbytes(q)
-        self.ref = _reference(_as_f64(q, key.q_dtype), k64, v64, 1.0 / math.sqrt(d))
         self._out_dtype = key.q_dtype
 
     def poison_output(self) -> None:
@@ -209,17 +280,17 @@ def _nbytes(x) -> int:
 
 
 def _reference(q, k, v, scale):
-    """float64 attention, every sequence of the same length: q [B, Hq, D], k/v [B, L, Hkv, D]."""
+    """float64 attention of one sequence: q [Hq, D], k and v [n, Hkv, D] -> [Hq, D]."""
     import cupy
 
-    batch, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(batch, hkv, hq // hkv, d)
-    logits = cupy.einsum("bhgd,blhd->bhgl", qg, k) * scale
+    hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(hkv, hq // hkv, d)
+    logits = cupy.einsum("hgd,nhd->hgn", qg, k) * scale
     logits -= logits.max(axis=-1, keepdims=True)
     p = cupy.exp(logits)
-    out = cupy.einsum("bhgl,blhd->bhgd", p, v) / p.sum(axis=-1)[..., None]
-    return out.reshape(batch, hq, d)
+    out = cupy.einsum("hgn,nhd->hgd", p, v) / p.sum(axis=-1)[..., None]
+    return out.reshape(hq, d)
 
 
 def _paged(k, v, key: TuneKey, batch: int, length: int, seed: int):

@@ -20,10 +20,16 @@ class TrialFailed(Exception):
     reason recorded, never a crash of the run and never a winner."""
 
 
+class ContextLost(TrialFailed):
+    """A candidate left the GPU unusable (an illegal address, a launch failure): the process can
+    measure nothing more; the run stops, and a rerun on the same storage resumes past it."""
+
+
 class Objective:
     """``prepare(specs)`` gets candidates ready (compiles them, in parallel) and returns the
     reason each one that failed did; ``measure(spec)`` times one (None: the built-in choice, planned
-    as the runtime plans it) and raises `TrialFailed`. ``name`` says what the figures are."""
+    as the runtime plans it) and raises `TrialFailed`; ``verify(spec)`` checks a winner once more
+    on other inputs, returning why it fails (None: it passes). ``name`` says what the figures are."""
 
     name = "objective"
 
@@ -32,3 +38,9 @@ class Objective:
 
     def measure(self, spec, iters: int | None = None) -> Measurement:
         raise NotImplementedError
+
+    def verify(self, spec) -> str | None:
+        return None
+
+    def close(self) -> None:
+        """Let go of what the objective holds (GPU memory)."""

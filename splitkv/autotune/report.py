@@ -30,9 +30,18 @@ def write(directory: Path, outcomes, header: dict, sweeps: dict | None = None) -
     return directory
 
 
-def markdown(outcomes, header: dict, plots) -> str:
-    from .cli import format_summary
+def format_summary(entries) -> str:
+    """The run's summary table: key, bucket, default µs, tuned µs, speedup, % copy bandwidth, program."""
+    rows = [("key", "bucket", "default µs", "tuned µs", "speedup", "% copy bw", "tuned program")]
+    for e in entries:
+        rows.append((e.key.label, e.bucket.name, f"{e.default_us:.2f}", f"{e.tuned_us:.2f}", f"{e.speedup:.3f}x",
+                     "-" if e.bandwidth_pct is None else f"{e.bandwidth_pct:.1f}",
+                     "built-in" if e.spec is None else e.spec.name))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
+
+def markdown(outcomes, header: dict, plots) -> str:
     lines = [f"# Tuning report: {header['gpu']} ({header['arch']}), {header['date']}", "",
              f"splitkv {header['splitkv']}, CUDA runtime {header['cuda_runtime']}, NVRTC {header['nvrtc']}, "
              f"{header['sm_count']} SMs. Objective: {outcomes[0].objective if outcomes else '-'}.", "",
@@ -45,7 +54,12 @@ def markdown(outcomes, header: dict, plots) -> str:
         for e in compared:
             x = e.exhaustive
             mine = x.get("tuned_spec_us")
-            within = f"{100 * (mine / x['best_us'] - 1):+.1f}%" if mine else "built-in kept"
+            if e.spec is None:
+                within = "built-in kept"
+            elif mine and x.get("best_us"):
+                within = f"{100 * (mine / x['best_us'] - 1):+.1f}%"
+            else:
+                within = "failed in the exhaustive run"
             lines.append(f"| {e.key.label} | {e.bucket.name} | {x['points']} | {x['best_us']} | {mine or '-'} | "
                          f"{within} | {x.get('trials_to_within_3pct') or '-'} |")
         lines.append("")
@@ -107,7 +121,8 @@ def _bandwidth_plot(plt, directory: Path, key, sweep: dict) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens), batch 1")
     ax.set_ylabel("% of copy bandwidth")
-    ax.set_ylim(0, 100)
+    top = max((v for name, vs in sweep.items() if name != "lengths" for v in vs if v is not None), default=100)
+    ax.set_ylim(0, max(100, top * 1.05))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(key.label, fontsize=10)

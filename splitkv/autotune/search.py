@@ -4,28 +4,35 @@ ones before compiling, compile a batch at once, measure each, tell the results.
 Resumable and shareable: the study lives in the Optuna storage given (an SQLite or PostgreSQL URL,
 a journal file, or memory). Every told trial is in the storage at once, so a run that is killed
 loses at most the trials it was measuring; a later run (or another worker on the same storage)
-counts the finished trials and runs only the rest. Trials left RUNNING by a killed run are not
-counted, and the sampler sees them as pending.
+counts the measured trials and runs only the rest. Trials a killed process left RUNNING on this
+host are failed as interrupted when the study is next searched here (they do not count).
+
+``--trials`` counts measured candidates: invalid combinations (pruned before compiling) and
+candidates the sampler returns to (their figure is reused) cost no measurement and do not count,
+up to `MAX_ASKS` asks per trial asked for.
 
 The heuristic's own programs (its split and its dense program) are enqueued first, so the search
 starts from the default. The winner is then confirmed: the best few candidates and the built-in
-choice (planned as the runtime plans it) are measured again, alternately, with more iterations,
-and the fastest of that round wins; the built-in choice winning gives an entry of ``spec: None``,
-so a tuned table is never slower than the default on the figures it was tuned on.
+choice (planned as the runtime plans it) are measured again, alternately, with more iterations;
+the fastest of that round is measured once more against the built-in choice, and replaces it
+only when `MARGIN` faster there. Otherwise the entry is ``spec: None``, so a tuned table is never
+slower than the default on the figures it was tuned on, and no entry is the noise of one median.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import socket
 import time
-from pathlib import Path
 import warnings
+from pathlib import Path
 
 from ..heuristics import default_spec
-from . import space
+from . import lookup, space
 from .keys import Bucket, TuneKey
-from .objective import Measurement, Objective, TrialFailed
+from .objective import ContextLost, Measurement, Objective, TrialFailed
 from .tables import Entry, today
 
 #: Candidates asked for at once (compiled together).
@@ -33,6 +40,12 @@ BATCH = 8
 #: Best candidates measured again against the built-in choice before one is written.
 CONFIRM_TOP = 3
 CONFIRM_ROUNDS = 3
+#: How much faster than the built-in choice a candidate must be, in the final round, to replace it.
+MARGIN = 0.01
+#: Asks per study at most, as a multiple of the trials asked for (invalid or repeated candidates
+#: are asked for again, but not forever: a small space runs out of new candidates).
+MAX_ASKS = 8
+_HOST = socket.gethostname()
 
 
 @dataclasses.dataclass
@@ -53,17 +66,21 @@ def _optuna():
     return optuna
 
 
-def open_study(name: str, storage, seed: int | None = None):
-    """The study ``name`` in ``storage`` (a URL, a journal file path ending in .log/.journal, an
-    Optuna storage object, or None for memory), created if it does not exist."""
+def open_study(name: str, storage, seed: int | None = None, worker: int = 0):
+    """The study ``name`` in ``storage`` (see `make_storage`), created if it does not exist. Its
+    sampler's seed mixes ``seed`` with ``worker`` and the trials already there, so a resumed run
+    or a second worker does not propose the first one's candidates again."""
     optuna = _optuna()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=name, storage=make_storage(storage), load_if_exists=True,
+                                direction="minimize")
+    if seed is not None:
+        seed = (seed * 1_000_003 + worker * 7_919 + len(study.trials)) % 2**32
     with warnings.catch_warnings():  # multivariate and group are marked experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
-                                             n_startup_trials=10)
-    return optuna.create_study(study_name=name, storage=make_storage(storage), load_if_exists=True,
-                               direction="minimize", sampler=sampler)
+        study.sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
+                                                   n_startup_trials=10)
+    return study
 
 
 def make_storage(storage):
@@ -91,38 +108,81 @@ def finished(study) -> list:
     return study.get_trials(deepcopy=False, states=done)
 
 
+def measured(study) -> list:
+    """The finished trials that measured a candidate (or failed trying): what ``trials`` counts."""
+    optuna = _optuna()
+    return [t for t in finished(study)
+            if (t.state == optuna.trial.TrialState.COMPLETE and "repeat_of" not in t.user_attrs)
+            or (t.state == optuna.trial.TrialState.FAIL and "interrupted" not in t.user_attrs)]
+
+
+def fail_interrupted(study) -> int:
+    """Fail the trials a process of this host left RUNNING and is no longer there to finish
+    (killed mid-batch); returns how many. Trials of live processes and other hosts are left."""
+    optuna = _optuna()
+    failed = 0
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        if t.user_attrs.get("host") != _HOST or _alive(t.user_attrs.get("pid")):
+            continue
+        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        failed += 1
+    return failed
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return True  # not ours to judge
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def enqueue_defaults(study, key: TuneKey, bucket: Bucket, arch: str) -> None:
     """The heuristic's split and dense programs as the first trials (once per study)."""
     for variant in ("split", "dense"):
         spec = default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype, variant,
                             key.page_size, key.kv_layout)
-        study.enqueue_trial(space.params_of(spec, key, arch), user_attrs={"builtin": variant}, skip_if_exists=True)
+        try:
+            params = space.params_of(spec, key, arch)
+        except ValueError as e:  # the built-in choice is still measured when the study finishes
+            warnings.warn(f"splitkv: the built-in {variant} program is not a point of the search space: {e}",
+                          RuntimeWarning, stacklevel=2)
+            continue
+        study.enqueue_trial(params, user_attrs={"builtin": variant}, skip_if_exists=True)
 
 
 def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: int, timeout: float | None = None,
                batch: int = BATCH, progress=None) -> int:
-    """Ask, prune, compile and measure until the study holds ``trials`` finished trials (counting
-    those of earlier runs and other workers) or ``timeout`` seconds pass; returns how many this
-    call finished. Workers sharing a study may overshoot by up to a batch each, since each asks
-    for what was missing when its batch began."""
+    """Ask, prune, compile and measure until the study holds ``trials`` measured trials (counting
+    those of earlier runs and other workers), ``MAX_ASKS`` times as many asks, or ``timeout``
+    seconds; returns how many this call measured. Workers sharing a study may overshoot by up to a
+    batch each, since each asks for what was missing when its batch began. A lost GPU context
+    (`ContextLost`) fails the trial that lost it and is raised: nothing after it could be trusted."""
     optuna = _optuna()
     start = time.monotonic()
-    done_here = 0
+    measured_here = 0
+    fail_interrupted(study)
     seen = {t.user_attrs["spec"]: (t.value, t.number) for t in finished(study)
             if t.state == optuna.trial.TrialState.COMPLETE and "spec" in t.user_attrs}
     while True:
-        left = trials - len(finished(study))
-        if left <= 0 or (timeout is not None and time.monotonic() - start > timeout):
-            return done_here
+        left = trials - len(measured(study))
+        if left <= 0 or len(finished(study)) >= MAX_ASKS * trials \
+                or (timeout is not None and time.monotonic() - start > timeout):
+            return measured_here
         asked = []
         for _ in range(min(batch, left)):
             trial = study.ask()
+            trial.set_user_attr("host", _HOST)
+            trial.set_user_attr("pid", os.getpid())
             try:
                 spec = space.build_spec(lambda name, values: trial.suggest_categorical(name, values), key, arch)
             except space.Invalid as e:
                 _tell(study, trial, None, optuna.trial.TrialState.PRUNED, f"invalid: {e}")
-                done_here += 1
-                _advance(progress)
                 continue
             trial.set_user_attr("spec", spec.name)
             asked.append((trial, spec))
@@ -131,18 +191,22 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
             if spec.name in seen:  # the sampler came back to a measured point: its figure stands
                 value, number = seen[spec.name]
                 _tell(study, trial, value, optuna.trial.TrialState.COMPLETE, None, repeat_of=number)
-            elif spec.name in failures:
+                continue
+            if spec.name in failures:
                 _tell(study, trial, None, optuna.trial.TrialState.FAIL, failures[spec.name])
             else:
                 try:
                     m = objective.measure(spec)
+                except ContextLost as e:
+                    _tell(study, trial, None, optuna.trial.TrialState.FAIL, str(e))
+                    raise
                 except TrialFailed as e:
                     _tell(study, trial, None, optuna.trial.TrialState.FAIL, str(e))
                 else:
                     trial.set_user_attr("bandwidth_pct", m.bandwidth_pct)
                     _tell(study, trial, m.us, optuna.trial.TrialState.COMPLETE, None)
                     seen[spec.name] = (m.us, trial.number)
-            done_here += 1
+            measured_here += 1
             _advance(progress)
 
 
@@ -175,7 +239,7 @@ def best_specs(study, key: TuneKey, arch: str, top: int) -> list:
 
 def confirm(objective: Objective, candidates, *, rounds: int = CONFIRM_ROUNDS, iters: int | None = None) -> dict:
     """Measure the candidates and the built-in choice (None) in turn, ``rounds`` times; the median
-    per candidate. A candidate that fails here is dropped."""
+    per candidate. A candidate that fails here is dropped; the built-in choice failing raises."""
     figures: dict = {None: []}
     for spec in candidates:
         figures[spec.name] = []
@@ -198,21 +262,34 @@ def _median_measurement(ms: list) -> Measurement:
 
 def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective, *, top: int = CONFIRM_TOP,
            iters: int | None = None, exhaustive_results: dict | None = None) -> Outcome:
-    """The study's entry: its best candidates confirmed against the built-in choice. With
-    ``exhaustive_results`` (see `exhaustive`), the entry also says how the search compares."""
-    candidates = [spec for spec, _ in best_specs(study, key, arch, top)]
-    figures = confirm(objective, candidates, iters=iters)
+    """The study's entry: its best candidates confirmed against the built-in choice (see the module
+    notes). With ``exhaustive_results`` (see `exhaustive`), the entry also says how the search
+    compares. Raises TrialFailed when the built-in choice itself fails on this bucket."""
+    builtin = lookup.programs(None, arch, key)
+    # Candidates that plan the built-in programs exactly are the built-in choice, measured as None.
+    candidates = {spec.name: spec for spec, _ in best_specs(study, key, arch, top)
+                  if lookup.programs(spec, arch, key) != builtin}
+    figures = confirm(objective, list(candidates.values()), iters=iters)
+    report = {("built-in" if k is None else k): m.us for k, m in figures.items()}
     winner = min(figures, key=lambda name: (figures[name].us, name is not None))  # ties: built-in
-    spec = next((s for s in candidates if s.name == winner), None)
-    tuned, default = figures[winner], figures[None]
+    spec, tuned = None, figures[None]
+    default = tuned
+    if winner is not None:  # a fresh round of the two, so the winner's own figure is not the luckiest
+        final = confirm(objective, [candidates[winner]], iters=iters)
+        report.update({f"final {winner}": final[winner].us, "final built-in": final[None].us})
+        problem = objective.verify(candidates[winner])
+        if problem:
+            warnings.warn(f"splitkv: {key.label} {bucket.name}: {winner} failed its last check; the built-in "
+                          f"choice is kept: {problem}", RuntimeWarning, stacklevel=2)
+        elif final[winner].us <= final[None].us * (1 - MARGIN):
+            spec, tuned, default = candidates[winner], final[winner], final[None]
     compared = None
     if exhaustive_results is not None:
         compared = compare_with_exhaustive(study, exhaustive_results)
         compared["tuned_spec_us"] = None if spec is None else exhaustive_results.get(spec.name)
-    entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(finished(study)), today(),
+    entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(measured(study)), today(),
                   compared, tuned.detail.get("plan"))
-    return Outcome(entry, trial_rows(study), {("built-in" if k is None else k): m.us for k, m in figures.items()},
-                   objective.name)
+    return Outcome(entry, trial_rows(study), report, objective.name)
 
 
 def trial_rows(study) -> list:
@@ -221,7 +298,8 @@ def trial_rows(study) -> list:
         p = t.params
         chunk = p.get("warps", 0) * p.get("tile_tokens", 0) * p.get("chunk_tiles", 1)
         rows.append(dict(number=t.number, spec=t.user_attrs.get("spec"), variant=p.get("variant"), chunk_size=chunk,
-                         us=t.value, state=t.state.name, reason=t.user_attrs.get("reason")))
+                         us=t.value, state=t.state.name, reason=t.user_attrs.get("reason"),
+                         repeat_of=t.user_attrs.get("repeat_of")))
     return rows
 
 
@@ -248,13 +326,15 @@ def compare_with_exhaustive(study, results: dict, within: float = 0.03) -> dict:
     """How the search did against the exhaustive figures: the best of both, and the first trial
     whose candidate is within ``within`` of the exhaustive best (by the exhaustive figures, so
     noise between the two runs does not count)."""
-    measured = {name: us for name, us in results.items() if us is not None}
-    best = min(measured.values())
-    reached = None
+    figures = {name: us for name, us in results.items() if us is not None}
+    out = dict(points=len(results), failed=len(results) - len(figures), best_us=None, trials_to_within_3pct=None)
+    if not figures:
+        return out
+    best = min(figures.values())
+    out["best_us"] = round(best, 3)
     for t in sorted(finished(study), key=lambda t: t.number):
-        us = measured.get(t.user_attrs.get("spec"))
+        us = figures.get(t.user_attrs.get("spec"))
         if us is not None and us <= best * (1 + within):
-            reached = t.number + 1
+            out["trials_to_within_3pct"] = t.number + 1
             break
-    return dict(best_us=round(best, 3), points=len(results), failed=len(results) - len(measured),
-                trials_to_within_3pct=reached)
+    return out

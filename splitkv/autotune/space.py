@@ -13,13 +13,16 @@ Invalid combinations (too much shared memory, a tensor map on rows it cannot des
 refused by KernelSpec itself before anything compiles: `build_spec` raises `Invalid` with
 KernelSpec's reason, and the search records it as a pruned trial.
 
-Left out on purpose: ``steal_tiles`` (its result depends on which warp took which tile, so a run
+Left out on purpose: ``kv_copy='bulk'`` (a bulk copy per row; slower than tensor maps wherever
+both apply, BENCHMARKS.md), ``steal_tiles`` (its result depends on which warp took which tile, so a run
 is not reproducible bit for bit), ``span_rows`` (CTAs spanning rows serve ragged batches, which the
 buckets are not), ``warp_heads`` (the planner takes it per plan) and the units variant (the
 planner routes to it per plan, for ragged batches).
 """
 
 from __future__ import annotations
+
+import functools
 
 from ..spec import MMA_M, STAGES, TILE_TOKENS, KernelSpec, arch_number, rows_fit_tma_boxes
 from .keys import TuneKey
@@ -53,7 +56,17 @@ def choices(name: str, key: TuneKey, arch: str) -> tuple:
         values = ("heads",)
     elif name == "cluster" and arch_number(arch) < 90:
         values = (1,)
+    elif name == "warps":  # the heuristic's own (fewer warps where shared memory is small) stays a point
+        values = tuple(sorted(set(values) | _builtin_warps(key, arch)))
     return values
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_warps(key: TuneKey, arch: str) -> frozenset:
+    from ..heuristics import default_spec
+
+    return frozenset(default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype, variant,
+                                  key.page_size, key.kv_layout).warps for variant in ("split", "dense"))
 
 
 def build_spec(ask, key: TuneKey, arch: str) -> KernelSpec:

@@ -163,6 +163,8 @@ def load(path: Path) -> Table:
         data = yaml.safe_load(path.read_text())
     except OSError as e:
         raise TableError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise TableError(f"{path}: not text ({e})") from None
     except yaml.YAMLError as e:
         raise TableError(f"{path}: not valid YAML ({e})") from None
     try:

@@ -954,3 +954,61 @@ def test_the_objectives_inputs_and_reference(monkeypatch, key):
     assert inputs.error() < 1e-2
     inputs.poison_output()
     assert inputs.error() == float("inf")
+
+
+def test_a_lost_gpu_context_stops_the_search_after_recording_its_trial():
+    """ContextLost fails the trial that caused it and is raised; a rerun goes on past it."""
+    pytest.importorskip("optuna")
+    study, obj = memory_study(), Recording()
+    search.enqueue_defaults(study, KEY, keys.parse_bucket("b1-l2k"), ARCH)
+    culprit = default_spec(ARCH, 128, 4, variant="dense").name
+
+    def measure(spec, iters=None):
+        if spec is not None and spec.name == culprit:
+            raise objective.ContextLost("cudaErrorIllegalAddress")
+        return Recording.measure(obj, spec, iters)
+    obj.measure = measure
+    with pytest.raises(objective.ContextLost):
+        search.run_trials(study, KEY, ARCH, obj, trials=10)
+    failed = [t for t in study.trials if t.state.name == "FAIL"]
+    assert [t.user_attrs["spec"] for t in failed] == [culprit]
+    assert "cudaErrorIllegalAddress" in failed[0].user_attrs["reason"]
+    obj.measure = lambda spec, iters=None: Recording.measure(obj, spec, iters)
+    search.run_trials(study, KEY, ARCH, obj, trials=10)
+    assert len(search.measured(study)) == 10 and culprit not in [s.name for s in obj.measured if s is not None]
+
+
+class _Scaled(Recording):
+    """Every candidate ``factor`` times the built-in choice's predicted µs."""
+
+    def __init__(self, factor, verify_fails=False):
+        super().__init__(bucket="b1-l32k")
+        self.factor, self.verify_fails = factor, verify_fails
+
+    def measure(self, spec, iters=None):
+        m = super().measure(None, iters)
+        return m if spec is None else objective.Measurement(m.us * self.factor, m.bandwidth_pct, m.detail)
+
+    def verify(self, spec):
+        return "wrong on a ragged batch" if self.verify_fails else None
+
+
+@pytest.mark.parametrize("factor, verify_fails, tuned", [(0.995, False, False), (0.9, True, False),
+                                                         (0.9, False, True)])
+def test_a_winner_must_be_a_margin_faster_and_pass_its_last_check(factor, verify_fails, tuned):
+    """Within the margin of the built-in choice, or failing the final check, the built-in choice
+    stays (spec None, tuned = default); a clear winner is written with the final round's figures."""
+    pytest.importorskip("optuna")
+    study, obj = memory_study(), _Scaled(factor, verify_fails)
+    bucket = keys.parse_bucket("b1-l32k")
+    search.enqueue_defaults(study, KEY, bucket, ARCH)
+    search.run_trials(study, KEY, ARCH, obj, trials=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        entry = search.finish(study, KEY, bucket, ARCH, obj).entry
+    assert (entry.spec is not None) == tuned
+    if tuned:
+        assert entry.tuned_us < entry.default_us * (1 - search.MARGIN)
+    else:
+        assert entry.tuned_us == entry.default_us
+    assert any("ragged" in str(w.message) for w in caught) == verify_fails

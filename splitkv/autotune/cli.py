@@ -29,6 +29,8 @@ WORKER_FLAG = "--tune-worker"
 WORKER_ENV = "SPLITKV_TUNE_WORKER"
 #: Exit status when a candidate left the GPU unusable (EX_TEMPFAIL: run it again to go on).
 EXIT_CONTEXT_LOST = 75
+#: Times a worker whose context was lost is started again.
+WORKER_RESTARTS = 3
 
 
 def keys_for(arch: str, head_dims, group_sizes, kv_dtypes, page_sizes, kv_layout) -> list[TuneKey]:
@@ -272,32 +274,40 @@ def _context_lost(e) -> int:
 
 def _run_workers(args, devices, names) -> int:
     """One worker process per listed device, each with only that GPU visible; overall progress is
-    read from the shared storage while they run."""
-    argv = _without_devices(args.argv)
+    read from the shared storage while they run. A worker whose GPU context was lost (status 75)
+    is started again, up to `WORKER_RESTARTS` times: it resumes past the candidate that did it."""
+    argv = [sys.executable, "-m", "splitkv.cli", *_without_devices(args.argv), WORKER_FLAG]
     log_dir = Path(tempfile.mkdtemp(prefix="splitkv-tune-workers-"))
-    workers = []
-    for index, device in enumerate(devices):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device), **{WORKER_ENV: str(index + 1)})
-        log = open(log_dir / f"worker-{index}-gpu{device}.log", "w")  # noqa: SIM115 - closed below
-        workers.append((subprocess.Popen([sys.executable, "-m", "splitkv.cli", *argv, WORKER_FLAG], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT), log, device))
+    logs = [open(log_dir / f"worker-{i}-gpu{d}.log", "w") for i, d in enumerate(devices)]  # noqa: SIM115
+
+    def start(index):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(devices[index]), **{WORKER_ENV: str(index + 1)})
+        return subprocess.Popen(argv, env=env, stdout=logs[index], stderr=subprocess.STDOUT)
+
+    workers = [start(i) for i in range(len(devices))]
+    restarts = [0] * len(devices)
     print(f"started {len(workers)} workers on devices {devices}; their logs are in {log_dir}", file=sys.stderr)
     overall = _bar(True, total=len(names) * args.trials, desc="all studies (all workers)", position=0)
     try:
-        while any(p.poll() is None for p, _, _ in workers):
+        while any(p.poll() is None for p in workers):
             time.sleep(2.0)
+            for i, p in enumerate(workers):
+                if p.poll() == EXIT_CONTEXT_LOST and restarts[i] < WORKER_RESTARTS:
+                    restarts[i] += 1
+                    workers[i] = start(i)
             if overall is not None:
                 overall.n = _count_trials(args, names)
                 overall.refresh()
     finally:
-        for p, log, _ in workers:
+        for p in workers:
             if p.poll() is None:
                 p.terminate()
             p.wait()
+        for log in logs:
             log.close()
         if overall is not None:
             overall.close()
-    failed = [(device, p.returncode) for p, _, device in workers if p.returncode]
+    failed = [(devices[i], p.returncode) for i, p in enumerate(workers) if p.returncode]
     for device, rc in failed:
         print(f"splitkv-gen: the worker on device {device} exited with status {rc} (its log is in {log_dir})",
               file=sys.stderr)

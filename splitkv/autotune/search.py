@@ -248,6 +248,8 @@ def confirm(objective: Objective, candidates, *, rounds: int = CONFIRM_ROUNDS, i
         for name in list(figures):
             try:
                 figures[name].append(objective.measure(specs.get(name), iters=iters))
+            except ContextLost:
+                raise
             except TrialFailed:
                 if name is None:
                     raise
@@ -316,6 +318,8 @@ def exhaustive(key: TuneKey, arch: str, objective: Objective, progress=None) -> 
             else:
                 try:
                     results[spec.name] = objective.measure(spec).us
+                except ContextLost:
+                    raise
                 except TrialFailed:
                     results[spec.name] = None
             _advance(progress)

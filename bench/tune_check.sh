@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The autotuner's GPU checks, each a step (TUNE_CHECK_STEPS, default all) that fits one call of a
+# time-limited GPU host; everything lands in OUTDIR (journals, tables, reports, logs).
+#   exhaustive  the search (60 measured candidates) against every point of the same space, on the
+#               1 x 32k bucket of five keys: head_dim 64 group 4 bf16/FP8/NVFP4, head_dim 128 group 4/8 bf16
+#   workers     two workers sharing one GPU through a journal (--devices 0,0), then a run killed
+#               mid-study and resumed from its journal
+#   sweep       the report's % bandwidth against context length (tuned, built-in, FlashInfer) of six
+#               keys, tuned into a copy of the shipped table
+#
+#   [PYTHON=python3] [TUNE_CHECK_STEPS=exhaustive,workers] bench/tune_check.sh OUTDIR
+set -u
+py=${PYTHON:-python3}
+out=${1:?usage: bench/tune_check.sh OUTDIR}
+mkdir -p "$out"
+steps=",${TUNE_CHECK_STEPS:-exhaustive,workers,sweep},"
+wants() { [[ $steps == *",$1,"* ]]; }
+tune() { "$py" -m splitkv.cli --arch sm90 --tune "$@" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]$\|s/it\]$\|^\s*$'; }
+
+if wants exhaustive; then
+    tune --head-dim 64 --group 4 --dtype bf16,fp8_e4m3,nvfp4 --bucket b1-l32k --trials 60 --iters 15 --exhaustive \
+        --study exh- --storage "$out/exhaustive.log" --out "$out/exhaustive" --report "$out/exhaustive-report" | tail -8
+    tune --head-dim 128 --group 4,8 --dtype bf16 --bucket b1-l32k --trials 60 --iters 15 --exhaustive \
+        --study exh- --storage "$out/exhaustive.log" --out "$out/exhaustive" --report "$out/exhaustive-report-128" | tail -6
+fi
+
+if wants workers; then
+    tune --head-dim 128 --group 1 --dtype bf16 --trials 30 --study workers- --storage "$out/workers.log" \
+        --devices 0,0 --out "$out/workers" | tail -6
+    "$py" - "$out/workers.log" <<'PY'
+import collections, sys, optuna
+from optuna.storages.journal import JournalFileBackend
+storage = optuna.storages.JournalStorage(JournalFileBackend(sys.argv[1]))
+for summary in optuna.get_all_study_summaries(storage):
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    print(summary.study_name, "trials by worker pid:", dict(collections.Counter(t.user_attrs.get("pid") for t in study.trials)))
+PY
+    timeout -s KILL 40 "$py" -m splitkv.cli --arch sm90 --tune --head-dim 64 --group 1 --dtype bf16 --trials 40 \
+        --study killed- --storage "$out/killed.log" --out "$out/killed" > "$out/killed-first.log" 2>&1
+    echo "first run: status $? (137: killed)"
+    tune --head-dim 64 --group 1 --dtype bf16 --trials 40 --study killed- --storage "$out/killed.log" \
+        --out "$out/killed" | tail -5
+fi
+
+if wants sweep; then
+    mkdir -p "$out/sweep" && cp -r splitkv/tuned_configs/sm_90 "$out/sweep/"
+    tune --head-dim 64,128 --group 4 --dtype bf16,fp8_e4m3,nvfp4 --trials 20 --storage "$out/sweep.log" \
+        --out "$out/sweep" --report "$out/sweep-report" | tail -8
+fi

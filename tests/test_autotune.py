@@ -1033,3 +1033,48 @@ def test_the_shipped_h200_table():
             assert lookup.programs(e.spec, "sm_90", e.key) != lookup.programs(None, "sm_90", e.key)
             assert e.tuned_us <= e.default_us * (1 - search.MARGIN), (e.key.label, e.bucket.name)
     assert tables.dump(table) == path.read_text()  # written by tables.save: sorted, nothing hand-edited
+
+
+def test_a_study_that_breaks_does_not_end_the_run(tmp_path, capsys, monkeypatch):
+    """An objective that cannot be built for one bucket (out of memory, say) is reported for that
+    study; the others are tuned and written, and the status says something failed."""
+    pytest.importorskip("optuna")
+
+    class Broken(costmodel.CostModelObjective):
+        def __init__(self, key, bucket, arch):
+            if bucket.name == "b1-l32k":
+                raise MemoryError("no room for this bucket's inputs")
+            super().__init__(key, bucket, arch)
+    monkeypatch.setattr(costmodel, "CostModelObjective", Broken)
+    argv = _tune_argv(tmp_path, "--cost-model", "--bucket", "b1-l32k,b32-l4k", "--out", str(tmp_path / "t"))
+    assert cli.main(argv) == 1
+    assert "b1-l32k: MemoryError: no room" in capsys.readouterr().err
+    written = tables.load(tmp_path / "t" / "sm_90" / "cost_model.yaml").entries
+    assert sorted(e.bucket.name for e in written) == ["b1-l2k", "b32-l4k"]
+
+
+def test_a_winners_last_check_runs_the_program_it_would_write(monkeypatch):
+    """verify() forces a dense winner dense (two ragged sequences alone would be split with the
+    built-in program) and runs a split winner planned as usual and as its units program; a
+    failure names the lengths and the program."""
+    import contextlib
+
+    from splitkv.autotune import measure
+
+    ran = []
+    gpu_objective = object.__new__(measure.GpuObjective)  # no GPU: only what verify() reads
+    gpu_objective.key, gpu_objective.bucket, gpu_objective.seed = KEY, BUCKETS_BY_NAME["b32-l4k"], 0
+    gpu_objective.harness = type("Harness", (), {"active": staticmethod(contextlib.nullcontext)})()
+    monkeypatch.setattr(measure, "BucketInputs", lambda key, lens, seed: lens)
+
+    def checked(spec, inputs, variant):
+        ran.append((spec.variant, variant, tuple(inputs)))
+        if variant == "units" and spec.stages == 3:
+            raise objective.TrialFailed("wrong result: max error 0.5")
+    gpu_objective._checked = checked
+    assert gpu_objective.verify(TUNED_DENSE) is None and ran == [("dense", "dense", (4059, 1370))]
+    ran.clear()
+    assert gpu_objective.verify(TUNED_SPLIT.replace(stages=2)) is None
+    assert [v for _, v, _ in ran] == [None, "units"]
+    problem = gpu_objective.verify(TUNED_SPLIT)
+    assert "units program" in problem and "4059" in problem and "max error 0.5" in problem

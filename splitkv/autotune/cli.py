@@ -235,16 +235,23 @@ def _search_all(args, arch, gpu, studies, progress: bool) -> int:
     from .objective import ContextLost
 
     overall = _bar(progress, total=len(studies) * args.trials, desc="all studies", position=0)
+    failed = 0
     try:
         for key, bucket in studies:
-            with _objective(args, key, bucket, arch) as objective:
-                _search(args, gpu, arch, key, bucket, objective, overall, progress)
+            try:
+                with _objective(args, key, bucket, arch) as objective:
+                    _search(args, gpu, arch, key, bucket, objective, overall, progress)
+            except ContextLost:
+                raise
+            except Exception as e:  # noqa: BLE001 - as in _finish_all: said, and the next study goes on
+                print(f"splitkv-gen: {key.label} {bucket.name}: {type(e).__name__}: {e}", file=sys.stderr)
+                failed += 1
     except ContextLost as e:
         return _context_lost(e)
     finally:
         if overall is not None:
             overall.close()
-    return 0
+    return 1 if failed else 0
 
 
 def _search(args, gpu, arch, key, bucket, objective, overall, progress: bool):
@@ -358,6 +365,11 @@ def _finish_all(args, arch, gpu, studies, search_first: bool = False) -> int:
                   f"for it: {e}", file=sys.stderr)
             failed += 1
             continue
+        except Exception as e:  # noqa: BLE001 - e.g. no memory for this bucket's inputs: the next may fit
+            print(f"splitkv-gen: {key.label} {bucket.name}: {type(e).__name__}: {e}; nothing is written for it",
+                  file=sys.stderr)
+            failed += 1
+            continue
         if outcome is None:
             failed += 1
             continue
@@ -428,7 +440,11 @@ def _sweeps(outcomes, table_dir) -> dict:
         bar = _bar(True, total=len(keys), desc="bandwidth sweep", position=0)
         sweeps = {}
         for key in keys:
-            sweeps[key.label] = sweep.sweep(key)
+            try:
+                sweeps[key.label] = sweep.sweep(key)
+            except Exception as e:  # noqa: BLE001 - the table is written; the report goes on without it
+                print(f"splitkv-gen: --report: the bandwidth sweep of {key.label} failed "
+                      f"({type(e).__name__}: {e}); its plot is left out", file=sys.stderr)
             if bar is not None:
                 bar.update(1)
         if bar is not None:

@@ -96,16 +96,22 @@ class GpuObjective(Objective):
         return Measurement(us, pct, dict(plan=attn.plan_info))
 
     def verify(self, spec: KernelSpec) -> str | None:
-        """A winner checked once more on a ragged batch of lengths no chunk, tile or page divides,
-        planned as the runtime plans it and, for a split program, as its units program (which the
-        runtime takes for ragged batches); the reason it fails, or None."""
+        """A winner checked once more on a ragged batch of lengths no chunk, tile or page divides: a
+        split program planned as the runtime plans it and as its units program (which the runtime
+        takes for ragged batches), a dense program forced dense; the reason it fails, or None."""
         n = self.bucket.seq_len
         lens = [max(n - 37, 1), n // 3 + 5]
-        variant = None
+        # A dense winner is forced where it serves (two sequences alone would be split); a split one
+        # also runs as the units program the runtime takes for ragged batches.
+        variants = ["dense"] if spec.variant == "dense" else [None] + ([] if spec.span_rows else ["units"])
+        variant = variants[0]
         try:
             with self.harness.active():
-                inputs = BucketInputs(self.key, lens, self.seed + 1)
-                for variant in [None, "units"] if spec.variant == "split" else [None]:
+                try:
+                    inputs = BucketInputs(self.key, lens, self.seed + 1)
+                except Exception as e:  # noqa: BLE001 - out of memory, or the context gone
+                    raise _failure(e) from e
+                for variant in variants:
                     self._checked(spec, inputs, variant)
         except ContextLost:
             raise

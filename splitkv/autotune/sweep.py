@@ -1,8 +1,9 @@
 """The report's bandwidth sweep: one sequence at each context length, timed with the tuned
 programs, the built-in ones and the peers that are installed, in one process and one harness
 (the benchmark's: CUDA events, L2 flushed before each call, median), each checked against the
-fp32 reference of `splitkv.bench`. Needs a GPU and torch (the benchmark's inputs and peers);
-quantized keys are timed on the same bf16 values quantized on the GPU.
+fp32 reference of `splitkv.bench` over the values the programs read (for quantized keys the
+dequantized cache, so the format's rounding does not count against anyone). Needs a GPU and torch
+(the benchmark's inputs and peers).
 """
 
 from __future__ import annotations
@@ -22,20 +23,26 @@ def sweepable(key: TuneKey) -> bool:
 def sweep(key: TuneKey, lengths=LENGTHS, iters: int = 50, seed: int = 0) -> dict:
     """{'lengths': [...], 'tuned': [...], 'built-in': [...], peer: [...]}: % of the copy bandwidth
     (None where a program failed its check or could not run)."""
+    import cupy
     import torch
 
     from .. import bench
-    from .measure import FLUSH_BYTES, copy_bandwidth_gbps
+    from .measure import FLUSH_BYTES, _copy_bandwidth
 
+    device = cupy.cuda.Device().id
+    torch.cuda.set_device(device)  # torch's stream, tensors and CuPy's device must be one GPU
     harness = bench.Harness(iters, 10, FLUSH_BYTES, torch)
     with harness.active():
         harness.flush_us = harness.flush_time_us()
-        copy_gbps = copy_bandwidth_gbps(harness)
+        copy_gbps = _copy_bandwidth(device, harness)  # the denominator of the table's figures too
         result = {"lengths": list(lengths), "tuned": [], "built-in": [], **{name: [] for name in PEERS}}
         for length in lengths:
             shape = bench.Shape(1, key.group_size * REFERENCE_KV_HEADS, REFERENCE_KV_HEADS, key.head_dim, length,
                                 key.kv_dtype)
             inputs = bench.Inputs(shape, seed, torch)
+            if shape.quantized:  # the values the programs read: the format's own rounding is no error of theirs
+                inputs.k_bf16, inputs.v_bf16 = (torch.from_numpy(c.dequantize_reference()).float().cuda()
+                                                for c in (inputs.k, inputs.v))
             ref = bench.reference_output(inputs)
 
             def percent(setup):

@@ -114,11 +114,14 @@ class Bucket:
         return math.hypot(math.log2(max(rows, 1) / self.rows), math.log2(max(max_len, 1) / self.seq_len))
 
 
-#: The workloads tuned by default. One sequence short and long (split programs: launch-bound and
-#: bandwidth-bound), and a batch that fills the GPU in rows (dense programs).
+#: The workloads tuned by default: one sequence short and long (split programs: launch-bound and
+#: bandwidth-bound), a few sequences (32 rows: too few to fill the GPU, too many for one cluster of
+#: splits each, where the split count is hardest to choose), and a batch that fills the GPU in rows
+#: (dense programs).
 BUCKETS = (
     Bucket("b1-l2k", 1, 2048),
     Bucket("b1-l32k", 1, 32768),
+    Bucket("b4-l8k", 4, 8192),
     Bucket("b32-l4k", 32, 4096),
 )
 BUCKETS_BY_NAME = {b.name: b for b in BUCKETS}

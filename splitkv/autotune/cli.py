@@ -9,6 +9,7 @@ the table is written after every study, so what was finished is never lost.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def add_arguments(p) -> None:
     g.add_argument("--cost-model", action="store_true",
                    help="score candidates with the cost model instead of the GPU (a dry run: figures are "
                         "predictions, and no table is written unless --out is given)")
-    g.add_argument(WORKER_FLAG, dest="tune_worker", action="store_true", help="(internal) run trials only")
+    g.add_argument(WORKER_FLAG, dest="tune_worker", action="store_true", help=argparse.SUPPRESS)  # workers' own
 
 
 def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) -> int:

@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
 # The autotuner's GPU checks, each a step (TUNE_CHECK_STEPS, default all) that fits one call of a
 # time-limited GPU host; everything lands in OUTDIR (journals, tables, reports, logs).
-#   exhaustive  the search (60 measured candidates) against every point of the same space, on the
-#               1 x 32k bucket of five keys: head_dim 64 group 4 bf16/FP8/NVFP4, head_dim 128 group 4/8 bf16
+#   exhaustive64, exhaustive128
+#               the search (60 measured candidates) against every point of the same space, on the
+#               1 x 32k bucket of five keys: head_dim 64 group 4 bf16/FP8/NVFP4 (about 1080 points),
+#               head_dim 128 group 4/8 bf16 (about 500)
 #   workers     two workers sharing one GPU through a journal (--devices 0,0), then a run killed
 #               mid-study and resumed from its journal
 #   sweep       the report's % bandwidth against context length (tuned, built-in, FlashInfer) of six
 #               keys, tuned into a copy of the shipped table
 #
-#   [PYTHON=python3] [TUNE_CHECK_STEPS=exhaustive,workers] bench/tune_check.sh OUTDIR
+#   [PYTHON=python3] [TUNE_CHECK_STEPS=exhaustive64,workers] bench/tune_check.sh OUTDIR
 set -u
 py=${PYTHON:-python3}
 out=${1:?usage: bench/tune_check.sh OUTDIR}
 mkdir -p "$out"
-steps=",${TUNE_CHECK_STEPS:-exhaustive,workers,sweep},"
+steps=",${TUNE_CHECK_STEPS:-exhaustive64,exhaustive128,workers,sweep},"
 wants() { [[ $steps == *",$1,"* ]]; }
 tune() { "$py" -m splitkv.cli --arch sm90 --tune "$@" 2>&1 | tr '\r' '\n' | grep -v 'it/s\]$\|s/it\]$\|^\s*$'; }
 
-if wants exhaustive; then
+if wants exhaustive64; then
     tune --head-dim 64 --group 4 --dtype bf16,fp8_e4m3,nvfp4 --bucket b1-l32k --trials 60 --iters 15 --exhaustive \
-        --study exh- --storage "$out/exhaustive.log" --out "$out/exhaustive" --report "$out/exhaustive-report" | tail -8
+        --study exh- --storage "$out/exhaustive.log" --out "$out/exhaustive" --report "$out/exhaustive-report-64" | tail -8
+fi
+if wants exhaustive128; then
     tune --head-dim 128 --group 4,8 --dtype bf16 --bucket b1-l32k --trials 60 --iters 15 --exhaustive \
         --study exh- --storage "$out/exhaustive.log" --out "$out/exhaustive" --report "$out/exhaustive-report-128" | tail -6
 fi

@@ -56,3 +56,36 @@ def test_a_short_tuning_run_writes_a_table_the_runtime_uses(tmp_path, monkeypatc
     ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(128))
     check_close(result, None, ref_out, ref_lse, lens, "bf16", f"tuned {attn.plan_info}")
     lookup.forget()
+
+
+def test_a_winners_last_check_runs_on_the_gpu():
+    """verify() passes a correct split program (as planned and as its units program) and a
+    correct dense program on a ragged batch, and the objective's figures are sane."""
+    from splitkv.autotune import measure
+    from splitkv.autotune.keys import TuneKey, parse_bucket
+    from splitkv.heuristics import default_spec
+
+    key, bucket = TuneKey(128, 4), parse_bucket("b1-l4k")
+    objective = measure.GpuObjective(key, bucket, iters=5, jobs=4)
+    try:
+        split = default_spec(_arch(), 128, 4).replace(stages=3)
+        dense = default_spec(_arch(), 128, 4, variant="dense")
+        assert objective.prepare([split, dense]) == {}
+        assert objective.verify(split) is None and objective.verify(dense) is None
+        m = objective.measure(split)
+        assert 0 < m.us < 1000 and 0 < m.bandwidth_pct < 120 and m.detail["plan"].startswith("split")
+    finally:
+        objective.close()
+
+
+def test_the_bandwidth_sweep_times_tuned_builtin_and_peers():
+    """The report's sweep gives a share of the copy bandwidth for the tuned and built-in programs
+    at each length (a peer's figure where it is installed and correct)."""
+    pytest.importorskip("torch")
+    from splitkv.autotune import sweep
+    from splitkv.autotune.keys import TuneKey
+
+    result = sweep.sweep(TuneKey(128, 4), lengths=(2048, 8192), iters=10)
+    assert result["lengths"] == [2048, 8192]
+    for series in ("tuned", "built-in"):
+        assert all(v is not None and 0 < v < 120 for v in result[series]), (series, result)

@@ -1132,6 +1132,17 @@ def measure_case(harness: Harness, setup, ref=None) -> tuple[dict, object]:
     return entry, out
 
 
+def copy_bandwidth(harness: Harness, nbytes: int, iters: int | None = None) -> dict:
+    """The copy ceiling: timings of a device-to-device copy of ``nbytes`` (``gbps`` counts the
+    bytes read and written); its buffers are freed on return."""
+    from .floor import DeviceCopy
+
+    copier = DeviceCopy(nbytes)
+    stats = summarize(harness.time(copier, iters))
+    stats.update(bytes=copier.nbytes, bytes_moved=copier.bytes_moved, gbps=gbps(copier.bytes_moved, stats["median_us"]))
+    return stats
+
+
 def _free_memory(torch_mod):
     import gc
 
@@ -1454,13 +1465,7 @@ def main(argv=None) -> int:
         result["protocol"]["flush_us"] = harness.flush_us
         # Copy ceiling first, then free its 2 GiB before the shapes allocate.
         try:
-            copier = floor_mod.DeviceCopy(args.copy_mb * 2**20)
-            copy_stats = summarize(harness.time(copier))
-            copy_stats["bytes"] = copier.nbytes
-            copy_stats["bytes_moved"] = copier.bytes_moved
-            copy_stats["gbps"] = gbps(copier.bytes_moved, copy_stats["median_us"])
-            result["copy"] = copy_stats
-            del copier
+            result["copy"] = copy_bandwidth(harness, args.copy_mb * 2**20)
         except Exception as exc:  # noqa: BLE001
             result["copy"] = {"status": "n/a", "reason": _reason(exc)}
         _free_memory(torch)

@@ -196,11 +196,9 @@ def _copy_bandwidth(device: int, harness) -> float:
 
 def copy_bandwidth_gbps(harness) -> float:
     """Device-to-device copy bandwidth (read + written bytes), median of 20 copies of 1 GiB."""
-    from ..floor import DeviceCopy
+    from ..bench import copy_bandwidth
 
-    copy = DeviceCopy(COPY_BYTES)
-    times = harness.time(copy, 20)
-    return copy.bytes_moved / (float(np.median(times)) * 1e-6) / 1e9
+    return copy_bandwidth(harness, COPY_BYTES, 20)["gbps"]
 
 
 class BucketInputs:
@@ -265,14 +263,14 @@ class BucketInputs:
 
 
 def _random(rng, shape, dtype: str):
-    """Normal values in bf16 (uint16 bits, round to nearest even) or fp16."""
+    """Normal values in bf16 (uint16 bits, as the benchmark draws them) or fp16."""
     import cupy
 
-    x = rng.standard_normal(shape, dtype=cupy.float32)
+    from ..bench import _cupy_bf16_randn
+
     if dtype == "fp16":
-        return x.astype(cupy.float16)
-    bits = x.view(cupy.uint32)
-    return ((bits + cupy.uint32(0x7FFF) + ((bits >> 16) & cupy.uint32(1))) >> 16).astype(cupy.uint16)
+        return rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
+    return _cupy_bf16_randn(rng, shape)
 
 
 def _as_f64(x, dtype: str):

@@ -29,7 +29,6 @@ import time
 import warnings
 from pathlib import Path
 
-from ..heuristics import default_spec
 from . import lookup, space
 from .keys import Bucket, TuneKey
 from .objective import ContextLost, Measurement, Objective, TrialFailed
@@ -144,9 +143,8 @@ def _alive(pid) -> bool:
 
 def enqueue_defaults(study, key: TuneKey, bucket: Bucket, arch: str) -> None:
     """The heuristic's split and dense programs as the first trials (once per study)."""
-    for variant in ("split", "dense"):
-        spec = default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype, variant,
-                            key.page_size, key.kv_layout)
+    split, dense, _ = lookup.programs(None, arch, key)
+    for variant, spec in (("split", split), ("dense", dense)):
         try:
             params = space.params_of(spec, key, arch)
         except ValueError as e:  # the built-in choice is still measured when the study finishes
@@ -274,8 +272,7 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
     figures = confirm(objective, list(candidates.values()), iters=iters)
     report = {("built-in" if k is None else k): m.us for k, m in figures.items()}
     winner = min(figures, key=lambda name: (figures[name].us, name is not None))  # ties: built-in
-    spec, tuned = None, figures[None]
-    default = tuned
+    spec, tuned, default = None, figures[None], figures[None]
     if winner is not None:  # a fresh round of the two, so the winner's own figure is not the luckiest
         final = confirm(objective, [candidates[winner]], iters=iters)
         report.update({f"final {winner}": final[winner].us, "final built-in": final[None].us})

@@ -49,7 +49,7 @@ def sweep(key: TuneKey, lengths=LENGTHS, iters: int = 50, seed: int = 0) -> dict
                 entry, _ = bench.measure_case(harness, setup, ref)
                 if not bench._ok(entry) or entry.get("rel_diff") is None or entry["rel_diff"] > bench.DIFF_FLAG_REL:
                     return None  # failed, or its output is off: no figure
-                return 100.0 * bench.gbps(shape.total_bytes, entry["median_us"]) / copy_gbps
+                return bench.derived_figures(shape, entry["median_us"], None, copy_gbps)["pct_copy_bw"]
 
             result["tuned"].append(percent(lambda: bench.splitkv_case(inputs)))
             result["built-in"].append(percent(lambda: bench.splitkv_case(inputs, tuned=False)))

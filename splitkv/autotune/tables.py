@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from ..codegen.compile import atomic_write
 from ..spec import KernelSpec, parse_arch
 from .keys import Bucket, TuneKey, gpu_file_stem
 
@@ -233,19 +232,7 @@ def save(path: Path, header: dict, entries) -> Table:
         if old is not None and (old.gpu, old.arch) != (header["gpu"], parse_arch(header["arch"])):
             raise TableError(f"{path}: holds {old.gpu} ({old.arch}), not {header['gpu']} ({header['arch']})")
         table = merge(old, header, entries)
-        text = dump(table)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, dump(table).encode())
     return table
 
 

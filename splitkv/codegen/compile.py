@@ -258,7 +258,7 @@ def _write_cache_files(folder: Path, files: list[tuple[Path, bytes]]) -> None:
     written."""
     try:
         for path, data in files:
-            _atomic_write(path, data)
+            atomic_write(path, data)
     except OSError as exc:
         raise CacheDirError(folder, exc) from exc
 
@@ -279,7 +279,9 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _atomic_write(path: Path, data: bytes) -> Path:
+def atomic_write(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file renamed over it, so that no reader sees
+    half a file; the file gets the mode a plain open() would give it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:

@@ -40,7 +40,6 @@ from pathlib import Path
 
 import yaml
 
-from ..codegen.compile import atomic_write
 from ..spec import KernelSpec, parse_arch
 from .keys import Bucket, TuneKey, gpu_file_stem
 
@@ -232,6 +231,8 @@ def save(path: Path, header: dict, entries) -> Table:
         if old is not None and (old.gpu, old.arch) != (header["gpu"], parse_arch(header["arch"])):
             raise TableError(f"{path}: holds {old.gpu} ({old.arch}), not {header['gpu']} ({header['arch']})")
         table = merge(old, header, entries)
+        from ..codegen.compile import atomic_write  # here: `splitkv-gen --help` imports this module, not codegen
+
         atomic_write(path, dump(table).encode())
     return table
 

@@ -5,12 +5,13 @@
 #               the search (60 measured candidates) against every point of the same space, on the
 #               1 x 32k bucket of five keys: head_dim 64 group 4 bf16/FP8/NVFP4 (about 1080 points),
 #               head_dim 128 group 4/8 bf16 (about 500)
-#   workers     two workers sharing one GPU through a journal (--devices 0,0), then a run killed
-#               mid-study and resumed from its journal
+#   workers     two workers sharing one study through a journal (--devices $TUNE_CHECK_DEVICES:
+#               0,1 on a host with two GPUs, by default 0,0: two workers on one GPU), then a run
+#               killed mid-study and resumed from its journal
 #   sweep       the report's % bandwidth against context length (tuned, built-in, FlashInfer) of six
 #               keys, tuned into a copy of the shipped table
 #
-#   [PYTHON=python3] [TUNE_CHECK_STEPS=exhaustive64,workers] bench/tune_check.sh OUTDIR
+#   [PYTHON=python3] [TUNE_CHECK_STEPS=exhaustive64,workers] [TUNE_CHECK_DEVICES=0,1] bench/tune_check.sh OUTDIR
 set -u
 py=${PYTHON:-python3}
 out=${1:?usage: bench/tune_check.sh OUTDIR}
@@ -30,7 +31,7 @@ fi
 
 if wants workers; then
     tune --head-dim 128 --group 1 --dtype bf16 --trials 30 --study workers- --storage "$out/workers.log" \
-        --devices 0,0 --out "$out/workers" | tail -6
+        --devices "${TUNE_CHECK_DEVICES:-0,0}" --out "$out/workers" | tail -6
     "$py" - "$out/workers.log" <<'PY'
 import collections, sys, optuna
 from optuna.storages.journal import JournalFileBackend

@@ -286,6 +286,11 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
     if exhaustive_results is not None:
         compared = compare_with_exhaustive(study, exhaustive_results)
         compared["tuned_spec_us"] = None if spec is None else exhaustive_results.get(spec.name)
+        # The built-in choice's own figure there: the candidates that plan exactly its programs.
+        same = [exhaustive_results.get(s.name) for s in space.enumerate_specs(key, arch)[0]
+                if lookup.programs(s, arch, key) == builtin]
+        same = [us for us in same if us is not None]
+        compared["builtin_spec_us"] = min(same) if same else None
     entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(measured(study)), today(),
                   compared, tuned.detail.get("plan"))
     return Outcome(entry, trial_rows(study), report, objective.name)
@@ -333,9 +338,10 @@ def compare_with_exhaustive(study, results: dict, within: float = 0.03) -> dict:
         return out
     best = min(figures.values())
     out["best_us"] = round(best, 3)
-    for t in sorted(finished(study), key=lambda t: t.number):
+    # Counted as --trials counts: measured candidates only (pruned and repeated asks are free).
+    for count, t in enumerate(sorted(measured(study), key=lambda t: t.number), start=1):
         us = figures.get(t.user_attrs.get("spec"))
         if us is not None and us <= best * (1 + within):
-            out["trials_to_within_3pct"] = t.number + 1
+            out["trials_to_within_3pct"] = count
             break
     return out

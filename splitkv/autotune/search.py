@@ -285,12 +285,13 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
     compared = None
     if exhaustive_results is not None:
         compared = compare_with_exhaustive(study, exhaustive_results)
-        compared["tuned_spec_us"] = None if spec is None else exhaustive_results.get(spec.name)
+        mine = None if spec is None else exhaustive_results.get(spec.name)
+        compared["tuned_spec_us"] = None if mine is None else round(mine, 3)
         # The built-in choice's own figure there: the candidates that plan exactly its programs.
         same = [exhaustive_results.get(s.name) for s in space.enumerate_specs(key, arch)[0]
                 if lookup.programs(s, arch, key) == builtin]
         same = [us for us in same if us is not None]
-        compared["builtin_spec_us"] = min(same) if same else None
+        compared["builtin_spec_us"] = round(min(same), 3) if same else None
     entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(measured(study)), today(),
                   compared, tuned.detail.get("plan"))
     return Outcome(entry, trial_rows(study), report, objective.name)

@@ -4,6 +4,7 @@ model (resumed across processes, and after a kill), and `splitkv-gen --tune`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -754,6 +755,39 @@ def test_cli_tunes_with_the_cost_model(tmp_path, capsys):
     assert cli.main(argv) == 0  # resumed: the study already holds its trials
     name = keys.study_name("", "cost model", "sm_90", KEY, keys.parse_bucket("b1-l2k"), keys.code_version())
     assert len(search.measured(search.open_study(name, str(tmp_path / "j.log")))) == 12
+
+
+def test_a_report_is_written_afterwards_from_the_table_and_the_storage(tmp_path, capsys):
+    """--report-from TABLE: a run stopped before its report gets it from the table and the journal,
+    without measuring (no GPU): every trial of the study, the entry as written; an entry whose study
+    is not in the storage is named and left out; --report and --storage are required."""
+    pytest.importorskip("optuna")
+    out = tmp_path / "tables"
+    assert cli.main(_tune_argv(tmp_path, "--cost-model", "--out", str(out))) == 0
+    path = out / "sm_90" / "cost_model.yaml"
+    (written,) = tables.load(path).entries
+    other = dataclasses.replace(written, bucket=BUCKETS_BY_NAME["b32-l4k"])  # tuned elsewhere: no study here
+    tables.save(path, tables.load(path).header, [other])
+    capsys.readouterr()
+
+    rep = tmp_path / "rep"
+    argv = ["--arch", "sm90", "--tune", "--head-dim", "128", "--group", "4", "--dtype", "bf16",
+            "--storage", str(tmp_path / "j.log"), "--report-from", str(path), "--report", str(rep)]
+    assert cli.main(argv) == 0
+    assert "b32-l4k: no study of it" in capsys.readouterr().err
+    results = json.loads((rep / "results.json").read_text())
+    (study,) = results["studies"]
+    assert study["entry"] == written.to_dict() and study["confirm"] == {}
+    name = keys.study_name("", "cost model", "sm_90", KEY, BUCKETS_BY_NAME["b1-l2k"], keys.code_version())
+    trials = search.open_study(name, str(tmp_path / "j.log")).trials
+    assert [t["number"] for t in study["trials"]] == [t.number for t in trials] and len(trials) >= 12
+    assert "cost model" in results["objective"] and KEY.label in (rep / "summary.md").read_text()
+
+    with pytest.raises(SystemExit):
+        cli.main([a for a in argv if a != str(rep) and a != "--report"])
+    capsys.readouterr()
+    assert cli.main([*argv[:-4], "--report-from", str(tmp_path / "absent.yaml"), "--report", str(rep)]) == 2
+    assert "--report-from" in capsys.readouterr().err
 
 
 def test_cli_tune_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):

@@ -69,6 +69,9 @@ def add_arguments(p) -> None:
     g.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="write the table under DIR/<arch>/ (default: the package's tuned_configs)")
     g.add_argument("--report", type=Path, default=None, metavar="DIR", help="write plots and a markdown summary to DIR")
+    g.add_argument("--report-from", type=Path, default=None, metavar="TABLE",
+                   help="write --report DIR from TABLE's entries and the trials in --storage, measuring nothing "
+                        "(no GPU needed): the report of a run stopped before it wrote one")
     g.add_argument("--exhaustive", action="store_true",
                    help="also measure every candidate of each study's space, and record how the search compares")
     g.add_argument("--iters", type=int, default=30, metavar="N", help="timed calls per measurement (default 30)")
@@ -93,6 +96,10 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
         parser.error(f"--arch: tune {arch.rstrip('a')}, not {arch}: the runtime looks tables up by the GPU's "
                      f"compute capability, and arch-specific programs are not tuned separately")
     keys = keys_for(arch, head_dims, group_sizes, kv_dtypes, page_sizes, args.kv_layout)
+    if args.report_from is not None:
+        if args.report is None or args.storage is None:
+            parser.error("--report-from: give the --report DIR to write and the --storage the run used")
+        return _report_from(args, arch, set(keys), {b.name for b in buckets})
     devices = _devices(parser, args.devices)
     workers = bool(devices) and (len(devices) > 1 or devices[0] != 0)
     if workers and not args.storage:
@@ -126,6 +133,33 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
         return _finish_all(args, arch, gpu, studies)
     # One process: each study is searched, confirmed and written before the next starts.
     return _finish_all(args, arch, gpu, studies, search_first=True)
+
+
+def _report_from(args, arch, keys, bucket_names) -> int:
+    """--report-from: the report of the table's entries of this run's keys and buckets, with each
+    study's trials read from --storage; nothing is measured (no confirmation figures, no sweeps)."""
+    from . import report, search, tables
+
+    try:
+        table = tables.load(args.report_from)
+    except (OSError, tables.TableError) as e:
+        print(f"splitkv-gen: --report-from: {e}", file=sys.stderr)
+        return 2
+    if table.arch != arch:
+        print(f"splitkv-gen: --report-from: {args.report_from} is a table of {table.arch}, not {arch}", file=sys.stderr)
+        return 2
+    entries = [e for e in table.entries if e.key in keys and e.bucket.name in bucket_names]
+    outcomes, missing = report.outcomes_from_storage(entries, table, search.make_storage(args.storage), args.study)
+    for e in missing:
+        print(f"splitkv-gen: {e.key.label} {e.bucket.name}: no study of it in {args.storage}; left out of the report",
+              file=sys.stderr)
+    if not outcomes:
+        print("splitkv-gen: --report-from: no entry of the table has its study in --storage; nothing written",
+              file=sys.stderr)
+        return 1
+    written = report.write(args.report, outcomes, table.header, {})
+    print(f"wrote the report of {len(outcomes)} entries to {written}", file=sys.stderr)
+    return 0
 
 
 def _devices(parser, text):

@@ -30,6 +30,35 @@ def write(directory: Path, outcomes, header: dict, sweeps: dict | None = None) -
     return directory
 
 
+def outcomes_from_storage(entries, table, storage, prefix: str = "") -> tuple[list, list]:
+    """(outcomes, entries without a study): each table entry with its study's trials from an Optuna
+    ``storage``, for a report written after the run. The study is the one named for the entry
+    (under ``prefix``); of several code versions, this one's, else the one started last. The
+    confirmation round is not in the storage: the outcomes carry none."""
+    from .costmodel import CostModelObjective
+    from .keys import code_version, study_name
+    from .lookup import COST_MODEL_GPU
+    from .measure import GpuObjective
+    from .search import Outcome, _optuna, trial_rows
+
+    optuna = _optuna()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    summaries = optuna.get_all_study_summaries(storage)
+    objective = CostModelObjective.name if table.gpu == COST_MODEL_GPU else GpuObjective.name
+    outcomes, missing = [], []
+    for entry in entries:
+        base = study_name(prefix, table.gpu, table.arch, entry.key, entry.bucket)
+        mine = f"{base}-{code_version()}"
+        found = [s for s in summaries if s.study_name == base or s.study_name.startswith(base + "-")]
+        found.sort(key=lambda s: (s.study_name == mine, s.datetime_start is not None, s.datetime_start or 0))
+        if not found:
+            missing.append(entry)
+            continue
+        study = optuna.load_study(study_name=found[-1].study_name, storage=storage)
+        outcomes.append(Outcome(entry, trial_rows(study), {}, objective))
+    return outcomes, missing
+
+
 def format_summary(entries) -> str:
     """The run's summary table: key, bucket, default µs, tuned µs, speedup, % copy bandwidth, program."""
     rows = [("key", "bucket", "default µs", "tuned µs", "speedup", "% copy bw", "tuned program")]

@@ -34,11 +34,12 @@ if wants workers; then
         --devices "${TUNE_CHECK_DEVICES:-0,0}" --out "$out/workers" | tail -6
     "$py" - "$out/workers.log" <<'PY'
 import collections, sys, optuna
-from optuna.storages.journal import JournalFileBackend
-storage = optuna.storages.JournalStorage(JournalFileBackend(sys.argv[1]))
+from splitkv.autotune import search
+storage = search.make_storage(sys.argv[1])
 for summary in optuna.get_all_study_summaries(storage):
     study = optuna.load_study(study_name=summary.study_name, storage=storage)
-    print(summary.study_name, "trials by worker pid:", dict(collections.Counter(t.user_attrs.get("pid") for t in study.trials)))
+    by_pid = collections.Counter(t.user_attrs.get("pid") for t in search.measured(study))
+    print(summary.study_name, "measured candidates by worker pid:", dict(by_pid))
 PY
     timeout -s KILL 40 "$py" -m splitkv.cli --arch sm90 --tune --head-dim 64 --group 1 --dtype bf16 --trials 40 \
         --study killed- --storage "$out/killed.log" --out "$out/killed" > "$out/killed-first.log" 2>&1

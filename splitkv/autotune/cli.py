@@ -96,10 +96,8 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
         parser.error(f"--arch: tune {arch.rstrip('a')}, not {arch}: the runtime looks tables up by the GPU's "
                      f"compute capability, and arch-specific programs are not tuned separately")
     keys = keys_for(arch, head_dims, group_sizes, kv_dtypes, page_sizes, args.kv_layout)
-    if args.report_from is not None:
-        if args.report is None or args.storage is None:
-            parser.error("--report-from: give the --report DIR to write and the --storage the run used")
-        return _report_from(args, arch, set(keys), {b.name for b in buckets})
+    if args.report_from is not None and (args.report is None or args.storage is None):
+        parser.error("--report-from: give the --report DIR to write and the --storage the run used")
     devices = _devices(parser, args.devices)
     workers = bool(devices) and (len(devices) > 1 or devices[0] != 0)
     if workers and not args.storage:
@@ -109,6 +107,8 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     except ImportError as e:
         print(f"splitkv-gen: {e}", file=sys.stderr)
         return 2
+    if args.report_from is not None:
+        return _report_from(args, arch, set(keys), {b.name for b in buckets})
     if workers and not args.cost_model:  # this process confirms the winners on the first listed GPU
         import cupy
 
@@ -148,8 +148,17 @@ def _report_from(args, arch, keys, bucket_names) -> int:
     if table.arch != arch:
         print(f"splitkv-gen: --report-from: {args.report_from} is a table of {table.arch}, not {arch}", file=sys.stderr)
         return 2
+    journal = search.journal_path(args.storage)
+    if journal is not None and not journal.is_file():
+        print(f"splitkv-gen: --storage: no journal file {journal}", file=sys.stderr)
+        return 2
     entries = [e for e in table.entries if e.key in keys and e.bucket.name in bucket_names]
-    outcomes, missing = report.outcomes_from_storage(entries, table, search.make_storage(args.storage), args.study)
+    try:
+        storage = search.make_storage(args.storage)
+        outcomes, missing = report.outcomes_from_storage(entries, table, storage, args.study)
+    except Exception as e:  # noqa: BLE001 - an RDB URL that does not connect, a journal that does not parse
+        print(f"splitkv-gen: --storage {args.storage}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     for e in missing:
         print(f"splitkv-gen: {e.key.label} {e.bucket.name}: no study of it in {args.storage}; left out of the report",
               file=sys.stderr)

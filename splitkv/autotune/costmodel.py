@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from ..spec import KernelSpec
+from . import lookup
 from .keys import REFERENCE_KV_HEADS, Bucket, TuneKey
 from .objective import Measurement, Objective
 
@@ -30,13 +31,20 @@ class CostModelObjective(Objective):
     def __init__(self, key: TuneKey, bucket: Bucket, arch: str = "sm_90"):
         self.key, self.bucket, self.arch = key, bucket, arch
 
-    def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
-        from ..heuristics import default_spec
+    def runs(self, spec: KernelSpec | None) -> str:
+        return launched(spec, self.key, self.bucket, self.arch).name
 
-        if spec is None:
-            spec = default_spec(self.arch, self.key.head_dim, self.key.group_size, self.key.q_dtype,
-                                self.key.kv_dtype, "split", self.key.page_size, self.key.kv_layout)
-        return Measurement(predict_us(spec, self.bucket))
+    def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
+        return Measurement(predict_us(launched(spec, self.key, self.bucket, self.arch), self.bucket))
+
+
+def launched(spec: KernelSpec | None, key: TuneKey, bucket: Bucket, arch: str) -> KernelSpec:
+    """The program the runtime launches for a candidate (None: the built-in choice) on the bucket,
+    in this model's planner: dense where the rows fill the SMs (or a tuned dense program forces
+    it), else split (see `lookup.programs`)."""
+    split, dense, dense_only = lookup.programs(spec, arch, key)
+    rows = bucket.batch * REFERENCE_KV_HEADS
+    return dense if rows >= NUM_SMS or lookup.forces_dense(dense_only, rows, NUM_SMS) else split
 
 
 def predict_us(spec: KernelSpec, bucket: Bucket) -> float:

@@ -119,26 +119,40 @@ class GpuObjective(Objective):
             return f"lengths {lens}" + (f" ({variant} program)" if variant else "") + f": {e}"
         return None
 
+    def runs(self, spec: KernelSpec | None) -> str:
+        """The plan the runtime makes for ``spec`` on the bucket, programs named (nothing launched)."""
+        try:
+            with self.harness.active():
+                return self._planned(spec, self.inputs, None).plan_info
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot be planned is a failed trial
+            raise _failure(e) from e
+
+    def _planned(self, spec: KernelSpec | None, inp: "BucketInputs", variant: str | None):
+        """DecodeAttention planned for ``inp`` as the runtime plans ``spec`` (None: the built-in
+        choice); ``variant`` 'units' forces the units program."""
+        from .. import DecodeAttention
+
+        k = self.key
+        paging = dict(page_size=k.page_size or None, kv_layout=k.kv_layout)
+        heads = (k.group_size * REFERENCE_KV_HEADS, REFERENCE_KV_HEADS, k.head_dim)
+        if spec is None:
+            attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, tuned=False, **paging)
+        else:
+            split, dense, dense_only = lookup.programs(spec, self.arch, k)
+            attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, spec=split, dense_spec=dense,
+                                   **paging)
+            if variant is None and lookup.forces_dense(dense_only, len(inp.seq_lens) * REFERENCE_KV_HEADS,
+                                                       attn.num_sms):
+                variant = "dense"
+        attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
+        return attn
+
     def _checked(self, spec: KernelSpec | None, inp: "BucketInputs", variant: str | None):
         """(DecodeAttention planned for ``inp`` as the runtime plans ``spec``, its call), after one
         call checked against the reference; raises TrialFailed (ContextLost when the GPU is gone).
         ``variant`` 'units' forces the units program."""
-        from .. import DecodeAttention
-
-        k = self.key
         try:
-            paging = dict(page_size=k.page_size or None, kv_layout=k.kv_layout)
-            heads = (k.group_size * REFERENCE_KV_HEADS, REFERENCE_KV_HEADS, k.head_dim)
-            if spec is None:
-                attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, tuned=False, **paging)
-            else:
-                split, dense, dense_only = lookup.programs(spec, self.arch, k)
-                attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, spec=split, dense_spec=dense,
-                                       **paging)
-                if variant is None and lookup.forces_dense(dense_only, len(inp.seq_lens) * REFERENCE_KV_HEADS,
-                                                           attn.num_sms):
-                    variant = "dense"
-            attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
+            attn = self._planned(spec, inp, variant)
             inp.poison_output()
 
             def call():

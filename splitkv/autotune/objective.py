@@ -27,14 +27,22 @@ class ContextLost(TrialFailed):
 
 class Objective:
     """``prepare(specs)`` gets candidates ready (compiles them, in parallel) and returns the
-    reason each one that failed did; ``measure(spec)`` times one (None: the built-in choice, planned
-    as the runtime plans it) and raises `TrialFailed`; ``verify(spec)`` checks a winner once more
-    on other inputs, returning why it fails (None: it passes). ``name`` says what the figures are."""
+    reason each one that failed did; ``runs(spec)`` says what the runtime launches for a candidate
+    on the bucket (None: the built-in choice), so that candidates launching the same programs in
+    the same plan are measured once (a tuned dense program, say, where the planner splits, runs the
+    built-in split program); ``measure(spec)`` times one, planned as the runtime plans it, and
+    raises `TrialFailed`; ``verify(spec)`` checks a winner once more on other inputs, returning why
+    it fails (None: it passes). ``name`` says what the figures are."""
 
     name = "objective"
 
     def prepare(self, specs) -> dict:
         return {}
+
+    def runs(self, spec) -> str:
+        """What the candidate launches on the bucket: equal strings, equal launches. Raises
+        `TrialFailed` when it cannot be planned."""
+        return "built-in" if spec is None else spec.name
 
     def measure(self, spec, iters: int | None = None) -> Measurement:
         raise NotImplementedError

@@ -33,8 +33,9 @@ def write(directory: Path, outcomes, header: dict, sweeps: dict | None = None) -
 def outcomes_from_storage(entries, table, storage, prefix: str = "") -> tuple[list, list]:
     """(outcomes, entries without a study): each table entry with its study's trials from an Optuna
     ``storage``, for a report written after the run. The study is the one named for the entry
-    (under ``prefix``); of several code versions, this one's, else the one started last. The
-    confirmation round is not in the storage: the outcomes carry none."""
+    (under ``prefix``); of several code versions, this one's, else the one started last: give the
+    storage (and prefix) of the run that wrote the entries. The confirmation round is not in the
+    storage: the outcomes carry none."""
     from .costmodel import CostModelObjective
     from .keys import code_version, study_name
     from .lookup import COST_MODEL_GPU

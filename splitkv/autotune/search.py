@@ -7,16 +7,19 @@ loses at most the trials it was measuring; a later run (or another worker on the
 counts the measured trials and runs only the rest. Trials a killed process left RUNNING on this
 host are failed as interrupted when the study is next searched here (they do not count).
 
-``--trials`` counts measured candidates: invalid combinations (pruned before compiling) and
-candidates the sampler returns to (their figure is reused) cost no measurement and do not count,
-up to `MAX_ASKS` asks per trial asked for.
+``--trials`` counts measured candidates: invalid combinations (pruned before compiling),
+candidates the sampler returns to, and candidates that launch what a measured one launched on the
+bucket (`Objective.runs`: a tuned dense program where the planner splits runs the built-in split
+program) reuse a figure, cost no measurement and do not count, up to `MAX_ASKS` asks per trial
+asked for.
 
 The heuristic's own programs (its split and its dense program) are enqueued first, so the search
-starts from the default. The winner is then confirmed: the best few candidates and the built-in
-choice (planned as the runtime plans it) are measured again, alternately, with more iterations;
-the fastest of that round is measured once more against the built-in choice, and replaces it
-only when `MARGIN` faster there. Otherwise the entry is ``spec: None``, so a tuned table is never
-slower than the default on the figures it was tuned on, and no entry is the noise of one median.
+starts from the default. The winner is then confirmed: the best few candidates that launch
+something else than the built-in choice, and the built-in choice (planned as the runtime plans
+it), are measured again with more iterations, in rounds whose order alternates; the fastest of
+that round is measured once more against the built-in choice, and replaces it only when `MARGIN`
+faster there. Otherwise the entry is ``spec: None``, so a tuned table is never slower than the
+default on the figures it was tuned on, and no entry is the noise of one median.
 """
 
 from __future__ import annotations
@@ -92,13 +95,22 @@ def make_storage(storage):
         return optuna.storages.InMemoryStorage()
     if not isinstance(storage, str):
         return storage
-    path = storage[len("journal:"):] if storage.startswith("journal:") else storage
-    if storage.startswith("journal:") or path.endswith((".log", ".journal")):
+    path = journal_path(storage)
+    if path is not None:
         from optuna.storages.journal import JournalFileBackend
 
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.JournalStorage(JournalFileBackend(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     return optuna.storages.RDBStorage(storage)
+
+
+def journal_path(storage) -> Path | None:
+    """The journal file a --storage value names ('*.log', '*.journal', 'journal:PATH'), else None."""
+    if not isinstance(storage, str):
+        return None
+    if storage.startswith("journal:"):
+        return Path(storage[len("journal:"):])
+    return Path(storage) if storage.endswith((".log", ".journal")) else None
 
 
 def finished(study) -> list:
@@ -165,9 +177,14 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
     start = time.monotonic()
     measured_here = 0
     fail_interrupted(study)
-    seen = {t.user_attrs["spec"]: (t.value, t.number) for t in finished(study)
-            if t.state == optuna.trial.TrialState.COMPLETE and "spec" in t.user_attrs}
     while True:
+        # Figures already in the study (other workers' included), by candidate and by what it
+        # launches: a candidate that launches what another did is not measured again.
+        done = [t for t in finished(study) if t.state == optuna.trial.TrialState.COMPLETE]
+        seen = {t.user_attrs["spec"]: (t.value, t.user_attrs.get("repeat_of", t.number), t.user_attrs.get("runs"))
+                for t in done if "spec" in t.user_attrs}
+        seen_runs = {t.user_attrs["runs"]: (t.value, t.user_attrs.get("repeat_of", t.number))
+                     for t in done if "runs" in t.user_attrs}
         left = trials - len(measured(study))
         if left <= 0 or len(finished(study)) >= MAX_ASKS * trials \
                 or (timeout is not None and time.monotonic() - start > timeout):
@@ -187,13 +204,22 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
         failures = objective.prepare([s for _, s in asked if s.name not in seen])
         for trial, spec in asked:
             if spec.name in seen:  # the sampler came back to a measured point: its figure stands
-                value, number = seen[spec.name]
+                value, number, runs = seen[spec.name]
+                if runs is not None:
+                    trial.set_user_attr("runs", runs)
                 _tell(study, trial, value, optuna.trial.TrialState.COMPLETE, None, repeat_of=number)
                 continue
             if spec.name in failures:
                 _tell(study, trial, None, optuna.trial.TrialState.FAIL, failures[spec.name])
             else:
                 try:
+                    runs = objective.runs(spec)
+                    trial.set_user_attr("runs", runs)
+                    if runs in seen_runs:  # it launches what a measured candidate did: that figure stands
+                        value, number = seen_runs[runs]
+                        seen[spec.name] = (value, number, runs)
+                        _tell(study, trial, value, optuna.trial.TrialState.COMPLETE, None, repeat_of=number)
+                        continue
                     m = objective.measure(spec)
                 except ContextLost as e:
                     _tell(study, trial, None, optuna.trial.TrialState.FAIL, str(e))
@@ -203,7 +229,7 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
                 else:
                     trial.set_user_attr("bandwidth_pct", m.bandwidth_pct)
                     _tell(study, trial, m.us, optuna.trial.TrialState.COMPLETE, None)
-                    seen[spec.name] = (m.us, trial.number)
+                    seen[spec.name], seen_runs[runs] = (m.us, trial.number, runs), (m.us, trial.number)
             measured_here += 1
             _advance(progress)
 
@@ -221,8 +247,9 @@ def _advance(progress):
         progress.update(1)
 
 
-def best_specs(study, key: TuneKey, arch: str, top: int) -> list:
-    """The ``top`` fastest distinct candidates of the study's completed trials, fastest first."""
+def best_specs(study, key: TuneKey, arch: str, top: int | None) -> list:
+    """The ``top`` (None: all) fastest distinct candidates of the study's completed trials, fastest
+    first."""
     optuna = _optuna()
     ranked = sorted((t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
                      if t.value is not None and math.isfinite(t.value)), key=lambda t: t.value)
@@ -242,8 +269,11 @@ def confirm(objective: Objective, candidates, *, rounds: int = CONFIRM_ROUNDS, i
     for spec in candidates:
         figures[spec.name] = []
     specs = {s.name: s for s in candidates}
-    for _ in range(rounds):
-        for name in list(figures):
+    for round_ in range(rounds):
+        # Every other round in reverse, so that no candidate is always measured first or last.
+        for name in list(figures)[::-1 if round_ % 2 else 1]:
+            if name not in figures:
+                continue
             try:
                 figures[name].append(objective.measure(specs.get(name), iters=iters))
             except ContextLost:
@@ -265,10 +295,20 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
     """The study's entry: its best candidates confirmed against the built-in choice (see the module
     notes). With ``exhaustive_results`` (see `exhaustive`), the entry also says how the search
     compares. Raises TrialFailed when the built-in choice itself fails on this bucket."""
-    builtin = lookup.programs(None, arch, key)
-    # Candidates that plan the built-in programs exactly are the built-in choice, measured as None.
-    candidates = {spec.name: spec for spec, _ in best_specs(study, key, arch, top)
-                  if lookup.programs(spec, arch, key) != builtin}
+    # Candidates that launch what the built-in choice launches on this bucket are the built-in
+    # choice, measured as None; of several that launch the same, the fastest stands for them.
+    launches = {objective.runs(None)}
+    candidates = {}
+    for spec, _ in best_specs(study, key, arch, None):
+        try:
+            runs = objective.runs(spec)
+        except TrialFailed:
+            continue
+        if runs not in launches:
+            launches.add(runs)
+            candidates[spec.name] = spec
+        if len(candidates) == top:
+            break
     figures = confirm(objective, list(candidates.values()), iters=iters)
     report = {("built-in" if k is None else k): m.us for k, m in figures.items()}
     winner = min(figures, key=lambda name: (figures[name].us, name is not None))  # ties: built-in
@@ -287,14 +327,26 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
         compared = compare_with_exhaustive(study, exhaustive_results)
         mine = None if spec is None else exhaustive_results.get(spec.name)
         compared["tuned_spec_us"] = None if mine is None else round(mine, 3)
-        # The built-in choice's own figure there: the candidates that plan exactly its programs.
-        same = [exhaustive_results.get(s.name) for s in space.enumerate_specs(key, arch)[0]
-                if lookup.programs(s, arch, key) == builtin]
-        same = [us for us in same if us is not None]
-        compared["builtin_spec_us"] = round(min(same), 3) if same else None
+        compared["builtin_spec_us"] = _builtin_figure(objective, exhaustive_results, key, arch)
     entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(measured(study)), today(),
                   compared, tuned.detail.get("plan"))
     return Outcome(entry, trial_rows(study), report, objective.name)
+
+
+def _builtin_figure(objective: Objective, results: dict, key: TuneKey, arch: str) -> float | None:
+    """The built-in choice's figure in an exhaustive run: the best of the candidates that launch
+    what it launches on the bucket (None when none of them ran)."""
+    builtin = objective.runs(None)
+    same = []
+    for spec in space.enumerate_specs(key, arch)[0]:
+        if results.get(spec.name) is None:
+            continue
+        try:
+            if objective.runs(spec) == builtin:
+                same.append(results[spec.name])
+        except TrialFailed:
+            continue
+    return round(min(same), 3) if same else None
 
 
 def trial_rows(study) -> list:

@@ -42,6 +42,11 @@ FIELD_CHOICES = {
 }
 
 
+#: Fields `build_spec` asks for with logic of their own (the chunk in tiles, what only a split
+#: program has); every other name of `FIELD_CHOICES` is a KernelSpec field asked for as it is.
+_STRUCTURED = ("variant", "warps", "tile_tokens", "stages", "chunk_tiles", "cluster", "fused_merge")
+
+
 class Invalid(ValueError):
     """A combination of choices that KernelSpec refuses (the reason is KernelSpec's message)."""
 
@@ -77,8 +82,8 @@ def build_spec(ask, key: TuneKey, arch: str) -> KernelSpec:
     variant = pick("variant")
     warps, tile_tokens, stages = pick("warps"), pick("tile_tokens"), pick("stages")
     fields = dict(variant=variant, warps=warps, tile_tokens=tile_tokens, stages=stages,
-                  kv_copy=pick("kv_copy"), mma_m=pick("mma_m"), chunk_size=warps * tile_tokens,
-                  cluster=1, fused_merge=True)
+                  **{name: pick(name) for name in _plain_fields()},
+                  chunk_size=warps * tile_tokens, cluster=1, fused_merge=True)
     if variant == "split":
         fields["chunk_size"] *= pick("chunk_tiles")
         fields["cluster"] = pick("cluster")
@@ -94,7 +99,7 @@ def build_spec(ask, key: TuneKey, arch: str) -> KernelSpec:
 def params_of(spec: KernelSpec, key: TuneKey, arch: str) -> dict:
     """The answers that build ``spec`` (to enqueue it as a trial); ValueError when no answers do."""
     params = dict(variant=spec.variant, warps=spec.warps, tile_tokens=spec.tile_tokens, stages=spec.stages,
-                  kv_copy=spec.kv_copy, mma_m=spec.mma_m)
+                  **{name: getattr(spec, name) for name in _plain_fields()})
     if spec.variant == "split":
         params["chunk_tiles"], rest = divmod(spec.chunk_size, spec.warps * spec.tile_tokens)
         params["cluster"] = spec.cluster
@@ -113,6 +118,10 @@ def params_of(spec: KernelSpec, key: TuneKey, arch: str) -> dict:
     if rebuilt != spec.replace(arch=rebuilt.arch):
         raise ValueError(f"{spec.name}: the search space cannot express it (it builds {rebuilt.name})")
     return params
+
+
+def _plain_fields() -> list:
+    return [name for name in FIELD_CHOICES if name not in _STRUCTURED]
 
 
 def enumerate_specs(key: TuneKey, arch: str) -> tuple[list[KernelSpec], int]:

@@ -1144,6 +1144,10 @@ def test_the_shipped_h200_table():
         else:
             assert lookup.programs(e.spec, "sm_90", e.key) != lookup.programs(None, "sm_90", e.key)
             assert e.tuned_us <= e.default_us * (1 - search.MARGIN), (e.key.label, e.bucket.name)
+            # What it launched (the plan it records) is none of the built-in programs.
+            split, dense, _ = lookup.programs(None, "sm_90", e.key)
+            builtin = {dense.name} | {split.replace(cluster=c).name for c in (1, 2, 4, 8, 16)}
+            assert e.plan and e.plan.rsplit("; ", 1)[-1] not in builtin, (e.key.label, e.bucket.name, e.plan)
         if e.exhaustive:
             chosen = e.exhaustive["tuned_spec_us" if e.spec else "builtin_spec_us"]
             assert chosen <= e.exhaustive["best_us"] * 1.03 and e.exhaustive["trials_to_within_3pct"] <= e.trials

@@ -178,13 +178,7 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
     measured_here = 0
     fail_interrupted(study)
     while True:
-        # Figures already in the study (other workers' included), by candidate and by what it
-        # launches: a candidate that launches what another did is not measured again.
-        done = [t for t in finished(study) if t.state == optuna.trial.TrialState.COMPLETE]
-        seen = {t.user_attrs["spec"]: (t.value, t.user_attrs.get("repeat_of", t.number), t.user_attrs.get("runs"))
-                for t in done if "spec" in t.user_attrs}
-        seen_runs = {t.user_attrs["runs"]: (t.value, t.user_attrs.get("repeat_of", t.number))
-                     for t in done if "runs" in t.user_attrs}
+        known = _Known(study)  # each batch: other workers' figures count too
         left = trials - len(measured(study))
         if left <= 0 or len(finished(study)) >= MAX_ASKS * trials \
                 or (timeout is not None and time.monotonic() - start > timeout):
@@ -201,37 +195,68 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
                 continue
             trial.set_user_attr("spec", spec.name)
             asked.append((trial, spec))
-        failures = objective.prepare([s for _, s in asked if s.name not in seen])
+        failures = objective.prepare([s for _, s in asked if s.name not in known.by_spec])
         for trial, spec in asked:
-            if spec.name in seen:  # the sampler came back to a measured point: its figure stands
-                value, number, runs = seen[spec.name]
-                if runs is not None:
-                    trial.set_user_attr("runs", runs)
-                _tell(study, trial, value, optuna.trial.TrialState.COMPLETE, None, repeat_of=number)
+            if _settle(study, trial, spec, objective, known, failures):
+                measured_here += 1
+                _advance(progress)
+
+
+class _Known:
+    """The figures a study holds: by candidate (spec name -> figure, trial measured, launch) and by
+    what a candidate launches (launch -> figure, trial measured)."""
+
+    def __init__(self, study):
+        optuna = _optuna()
+        self.by_spec, self.by_launch = {}, {}
+        for t in finished(study):
+            if t.state != optuna.trial.TrialState.COMPLETE:
                 continue
-            if spec.name in failures:
-                _tell(study, trial, None, optuna.trial.TrialState.FAIL, failures[spec.name])
-            else:
-                try:
-                    runs = objective.runs(spec)
-                    trial.set_user_attr("runs", runs)
-                    if runs in seen_runs:  # it launches what a measured candidate did: that figure stands
-                        value, number = seen_runs[runs]
-                        seen[spec.name] = (value, number, runs)
-                        _tell(study, trial, value, optuna.trial.TrialState.COMPLETE, None, repeat_of=number)
-                        continue
-                    m = objective.measure(spec)
-                except ContextLost as e:
-                    _tell(study, trial, None, optuna.trial.TrialState.FAIL, str(e))
-                    raise
-                except TrialFailed as e:
-                    _tell(study, trial, None, optuna.trial.TrialState.FAIL, str(e))
-                else:
-                    trial.set_user_attr("bandwidth_pct", m.bandwidth_pct)
-                    _tell(study, trial, m.us, optuna.trial.TrialState.COMPLETE, None)
-                    seen[spec.name], seen_runs[runs] = (m.us, trial.number, runs), (m.us, trial.number)
-            measured_here += 1
-            _advance(progress)
+            number, runs = t.user_attrs.get("repeat_of", t.number), t.user_attrs.get("runs")
+            if "spec" in t.user_attrs:
+                self.by_spec[t.user_attrs["spec"]] = (t.value, number, runs)
+            if runs is not None:
+                self.by_launch[runs] = (t.value, number)
+
+    def add(self, name: str, runs: str, value: float, number: int) -> None:
+        self.by_spec[name] = (value, number, runs)
+        self.by_launch.setdefault(runs, (value, number))
+
+
+def _settle(study, trial, spec, objective: Objective, known: _Known, failures: dict) -> bool:
+    """Tell ``trial`` what ``spec`` gives: a figure already known (a candidate measured before, or
+    one that launches the same on the bucket: not measured, returns False), its compile failure,
+    or a measurement (returns True, also when it failed). `ContextLost` is raised once told."""
+    optuna = _optuna()
+    complete, fail = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL
+    if spec.name in known.by_spec:  # the sampler came back to a measured point: its figure stands
+        value, number, runs = known.by_spec[spec.name]
+        if runs is not None:
+            trial.set_user_attr("runs", runs)
+        _tell(study, trial, value, complete, None, repeat_of=number)
+        return False
+    if spec.name in failures:
+        _tell(study, trial, None, fail, failures[spec.name])
+        return True
+    try:
+        runs = objective.runs(spec)
+        trial.set_user_attr("runs", runs)
+        if runs in known.by_launch:  # it launches what a measured candidate did: that figure stands
+            value, number = known.by_launch[runs]
+            known.add(spec.name, runs, value, number)
+            _tell(study, trial, value, complete, None, repeat_of=number)
+            return False
+        m = objective.measure(spec)
+    except ContextLost as e:
+        _tell(study, trial, None, fail, str(e))
+        raise
+    except TrialFailed as e:
+        _tell(study, trial, None, fail, str(e))
+        return True
+    trial.set_user_attr("bandwidth_pct", m.bandwidth_pct)
+    _tell(study, trial, m.us, complete, None)
+    known.add(spec.name, runs, m.us, trial.number)
+    return True
 
 
 def _tell(study, trial, value, state, reason, repeat_of=None):

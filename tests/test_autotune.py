@@ -445,6 +445,18 @@ def test_runtime_launches_the_tuned_dense_program(fake_gpu):
     assert _shape(launched) == _shape(default_spec(ARCH, 128, 4))
 
 
+def test_the_builtin_choice_and_its_programs_given_launch_alike(fake_gpu):
+    """The tuner measures the built-in choice as DecodeAttention(tuned=False) and candidates with
+    their programs given: for the built-in programs both launch the same program on the same grid,
+    so a gap between their figures is the measurement's, not the launch's."""
+    for head_dim, group, lens in ((64, 1, [4096] * 32), (128, 4, [2048]), (128, 4, [32768]), (256, 8, [4096] * 4)):
+        split, dense, _ = lookup.programs(None, ARCH, TuneKey(head_dim, group))
+        builtin = splitkv.DecodeAttention(8 * group, 8, head_dim, tuned=False)
+        given = splitkv.DecodeAttention(8 * group, 8, head_dim, spec=split, dense_spec=dense)
+        assert _launched(fake_gpu, builtin, lens) == _launched(fake_gpu, given, lens)
+        assert builtin.plan_info == given.plan_info and builtin._launch.grid == given._launch.grid
+
+
 def test_runtime_takes_rows_as_sequences_times_kv_heads(fake_gpu):
     """Eight sequences of one K/V head are eight rows, the bucket of one sequence of eight heads."""
     _runtime_table(fake_gpu)

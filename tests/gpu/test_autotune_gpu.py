@@ -60,7 +60,8 @@ def test_a_short_tuning_run_writes_a_table_the_runtime_uses(tmp_path, monkeypatc
 
 def test_a_winners_last_check_runs_on_the_gpu():
     """verify() passes a correct split program (as planned and as its units program) and a
-    correct dense program on a ragged batch, and the objective's figures are sane."""
+    correct dense program on a ragged batch, the objective's figures are sane, and runs() names
+    what each candidate launches on the bucket."""
     from splitkv.autotune import measure
     from splitkv.autotune.keys import TuneKey, parse_bucket
     from splitkv.heuristics import default_spec
@@ -74,6 +75,12 @@ def test_a_winners_last_check_runs_on_the_gpu():
         assert objective.verify(split) is None and objective.verify(dense) is None
         m = objective.measure(split)
         assert 0 < m.us < 1000 and 0 < m.bandwidth_pct < 120 and m.detail["plan"].startswith("split")
+        # What a candidate launches: the built-in dense program where the planner splits (one
+        # sequence) is the built-in split program, which is also what the built-in choice launches.
+        builtin = objective.runs(None)
+        assert builtin.startswith("split") and objective.runs(dense) == builtin
+        assert objective.runs(default_spec(_arch(), 128, 4)) == builtin
+        assert objective.runs(split) == m.detail["plan"] != builtin
     finally:
         objective.close()
 

@@ -181,7 +181,9 @@ class DecodeAttention:
 
         ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
         given, bounds the lengths; for a device ``seq_lens`` the plan also covers it, so lengths
-        rewritten in place may grow up to it between CUDA-graph replays. ``variant`` (and
+        rewritten in place may grow up to it between CUDA-graph replays (such a plan is never a
+        units plan, whose units cover the planned lengths only). A plan() that raises leaves the
+        previous plan, and every buffer it reads, as it was. ``variant`` (and
         ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning;
         ``warp_heads`` True or False overrides whether a dense plan's warps get a K/V head each
         (None: the planner's choice, ``plan.wants_packed_heads``, which applies to a dense plan
@@ -242,9 +244,17 @@ class DecodeAttention:
         if self._tuned is not None and self._use_tuned(batch * self.num_kv_heads, int(host_lens.max(initial=0))) \
                 and variant is None:
             variant = "dense"  # the tuned program is dense, and the rows fill the GPU: no split was faster
+        may_grow = host_lens is not lens
         if variant == "units":
             if num_splits is not None or warp_heads:
                 raise ValueError("variant: 'units' plans take neither num_splits nor warp_heads")
+            if may_grow:
+                # A unit covers the blocks of its row's length at plan time: lengths that grow
+                # after it would leave their new tokens to no unit.
+                raise ValueError(f"max_len: a 'units' plan covers the lengths it is planned for, so device "
+                                 f"lengths may not grow up to max_len={int(max_len)} after it; plan() again "
+                                 f"for each step's lengths (with max_units, a captured graph replays the "
+                                 f"tables rewritten in place)")
             return self._plan_units(seq_lens, lens, host_lens, block_table, validate, max_units)
         if max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")
@@ -254,7 +264,7 @@ class DecodeAttention:
         if variant is None:
             plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
-            unit_plan = self._units_pay(plan, host_lens, ctas_per_sm)
+            unit_plan = None if may_grow else self._units_pay(plan, host_lens, ctas_per_sm)
             if unit_plan is not None:
                 return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
         else:
@@ -286,9 +296,20 @@ class DecodeAttention:
         if plan.variant == "split" and plan.tokens_per_split % spec.tile_tokens:  # tiles start at split starts
             raise RuntimeError(f"planner bug: {plan.tokens_per_split} tokens per split is not a multiple of "
                                f"the tile ({spec.tile_tokens} tokens); {describe(plan)}")
-        table = self._plan_table(block_table, host_lens, validate) if self.page_size else None
+        # Everything that may raise comes before the first write to a buffer the live plan uses.
+        checked_table = self._check_table(block_table, lens, host_lens, validate) if self.page_size else None
         decode_fn, _ = load_kernel(spec)
         merge_fn = None
+        if plan.variant == "split" and not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place
+            merge_fn, _ = load_kernel(self.merge_spec)
+        grid, span_args = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch), ()
+        if not plan.row_tokens and max(grid[1], grid[2]) > _MAX_GRID_YZ:
+            raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "
+                             f"launch grid ({_MAX_GRID_YZ} sequences and K/V heads at most); split the batch")
+        if plan.row_tokens:  # CTAs span rows: a line of CTAs over all rows' tiles
+            grid = (plan.num_ctas, 1, 1)
+            span_args = (np.int32(batch * self.num_kv_heads), np.int32(plan.row_tokens // spec.tile_tokens),
+                         np.int32(plan.num_splits))
         partial_o = partial_lse = counters = None
         if plan.variant == "split":
             rows = batch * plan.num_splits * self.num_qo_heads
@@ -304,29 +325,14 @@ class DecodeAttention:
                                 + rows_total * TILE_COUNTER_STRIDE)
             if spec.fused_merge or spec.steal_tiles:
                 counters = self._buffer("counters", num_counters, np.int32, zero=True)
-            if not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place
-                merge_fn, _ = load_kernel(self.merge_spec)
+        table = self._write_table(checked_table) if self.page_size else None
         device_lens = self._device_lens(seq_lens, lens)
         workspace = (partial_o, partial_lse, counters)
-        grid, span_args = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch), ()
-        if not plan.row_tokens and max(grid[1], grid[2]) > _MAX_GRID_YZ:
-            raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "
-                             f"launch grid ({_MAX_GRID_YZ} sequences and K/V heads at most); split the batch")
-        if plan.row_tokens:  # CTAs span rows: a line of CTAs over all rows' tiles
-            grid = (plan.num_ctas, 1, 1)
-            span_args = (np.int32(batch * self.num_kv_heads), np.int32(plan.row_tokens // spec.tile_tokens),
-                         np.int32(plan.num_splits))
         max_planned = int(host_lens.max(initial=0))
-        empty_kv_ptr = 0
-        if spec.kv_copy == "tma" and max_planned == 0:
-            # k.shape[1] may then be 0, and a tensor map cannot describe no rows: such maps describe
-            # this tile instead, which no CTA reads (every length is 0, so no tile is requested).
-            tile_bytes = spec.tile_tokens * self.num_kv_heads * spec.kv_row_bytes
-            empty_kv_ptr = self._buffer("empty_kv", tile_bytes, np.uint8).data.ptr
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, max_planned,
                                grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
                                _pointers(workspace), span_args,
-                               empty_kv_ptr, table)
+                               self._empty_kv_ptr(spec, max_planned), table)
         self._validated_layout = None
         return plan
 
@@ -389,6 +395,15 @@ class DecodeAttention:
         else:
             max_units = len(plan.units)
         max_merges = rows if static else max(len(plan.merges), 1)
+        merge_fn, merge_blocks = None, 0
+        if plan.split or static:
+            merge_spec = dataclasses.replace(self.merge_spec, tables=True)
+            merge_fn, _ = load_kernel(merge_spec)
+            warps = merge_spec.threads // 32
+            merge_blocks = -(-max_merges * self.group_size // warps)
+        # Everything that may raise comes before the first write to a buffer the live plan uses
+        # (with max_units, a captured graph replays the tables written here).
+        checked_table = self._check_table(block_table, lens, host_lens, validate) if self.page_size else None
         tables = self._buffer("unit_tables", max_units * len(UNIT_FIELDS) + max_merges * len(MERGE_FIELDS)
                               + len(BUFFER_HEADER), np.int32)
         tables.set(plan.to_buffer(max_units, max_merges))
@@ -397,27 +412,24 @@ class DecodeAttention:
         width = self.group_size * self.head_dim
         partial_o = self._buffer("partial_o", max(slots_held, 1) * width, np.float32)
         partial_lse = self._buffer("partial_lse", max(slots_held, 1) * self.group_size, np.float32)
-        merge_fn, merge_blocks = None, 0
-        if plan.split or static:
-            merge_spec = dataclasses.replace(self.merge_spec, tables=True)
-            merge_fn, _ = load_kernel(merge_spec)
-            warps = merge_spec.threads // 32
-            merge_blocks = -(-max_merges * self.group_size // warps)
-        table = self._plan_table(block_table, host_lens, validate) if self.page_size else None
+        table = self._write_table(checked_table) if self.page_size else None
         device_lens = self._device_lens(seq_lens, lens)
         workspace = (partial_o, partial_lse, None)
         units = _UnitTables(tables, np.uint64(tables.data.ptr), max_units, merge_blocks)
-        self._launch = _Launch(plan, spec, decode_fn, merge_fn, lens.size, int(host_lens.max(initial=0)),
+        max_planned = int(host_lens.max(initial=0))
+        self._launch = _Launch(plan, spec, decode_fn, merge_fn, lens.size, max_planned,
                                (max_units, 1, 1), device_lens, workspace, np.uint64(device_lens.data.ptr),
                                _pointers(workspace), (),
-                               0, table, units)
+                               self._empty_kv_ptr(spec, max_planned), table, units)
         self._validated_layout = None
         return plan
 
-    def _plan_table(self, block_table, lens: np.ndarray, validate: bool) -> _BlockTable:
-        """The plan's block table (see plan()): checked against the planned lengths; a host table
-        copied to the device, a device one used in place (and read back to check it, if asked)."""
-        host = None
+    def _check_table(self, block_table, lens: np.ndarray, host_lens: np.ndarray, validate: bool) -> tuple:
+        """The plan's block table (see plan()), checked and not yet written anywhere: (device table or
+        None, host table or None, stride, highest page used). Its entries are checked against the
+        lengths ``lens`` (pages a length does not use yet are not); its width against the longest
+        length the plan covers (``host_lens``: lengths may grow up to max_len)."""
+        host = device_table = None
         if tensors.is_device_array(block_table):
             info = tensors.describe(block_table, "block_table")
             tensors.check_block_table_info(info, lens.size)
@@ -431,13 +443,27 @@ class DecodeAttention:
         highest = (-1, -1, -1)
         if host is not None:
             host, highest = paged.used_pages(host, lens, self.page_size)
-        elif int(lens.max(initial=0)) > stride * self.page_size:
+        if int(host_lens.max(initial=0)) > stride * self.page_size:
             raise ValueError(f"block_table: holds {stride} pages of {self.page_size} tokens per sequence, "
-                             f"but the plan has a sequence of {int(lens.max())}")
-        if not tensors.is_device_array(block_table):
+                             f"but the plan covers a sequence of {int(host_lens.max())}")
+        return device_table, None if device_table is not None else host, stride, highest
+
+    def _write_table(self, checked: tuple) -> _BlockTable:
+        """A checked table's device copy: a device table in place, a host one copied to the plan's buffer."""
+        device_table, host, stride, highest = checked
+        if device_table is None:
             device_table = self._buffer("block_table", host.size, np.int32)
             device_table.set(host.ravel())
         return _BlockTable(device_table, np.uint64(device_table.data.ptr), stride, highest)
+
+    def _empty_kv_ptr(self, spec: KernelSpec, max_planned: int) -> int:
+        """Where the tensor maps of a plan of no tokens point (0: not needed). k.shape[1] may then be 0,
+        and a tensor map cannot describe no rows: such maps describe this tile instead, which no CTA
+        reads (every length is 0, so no tile is requested)."""
+        if spec.kv_copy != "tma" or max_planned:
+            return 0
+        tile_bytes = spec.tile_tokens * self.num_kv_heads * spec.kv_row_bytes
+        return self._buffer("empty_kv", tile_bytes, np.uint8).data.ptr
 
     def _max_active_clusters(self, cluster: int) -> int | None:
         """Clusters of ``cluster`` split CTAs resident at once on this GPU (None: unknown)."""
@@ -580,7 +606,7 @@ class DecodeAttention:
         def describe(x, name):
             if name not in ("k", "v") or not isinstance(x, QuantizedKV):
                 return tensors.describe(x, name, bf16_from_uint16=True)
-            parts = tensors.describe_quantized(x, name)
+            parts = tensors.describe_quantized(x, name, self.kv_layout if self.page_size else "NHD")
             scale_infos.extend([(f"{name}.block_scales", parts.block_scales), (f"{name}.scale", parts.scale)])
             return tensors.quantized_kv_info(x.kv_dtype, parts)
 
@@ -636,11 +662,11 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
     back); for the hot loop of a server use `DecodeAttention` and call ``run`` per layer.
     """
     qi = tensors.describe(q, "q", bf16_from_uint16=True)
-    ki = tensors.describe_kv(k, "k")
-    vi = tensors.describe_kv(v, "v")
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
     paging = block_table is not None
+    ki = tensors.describe_kv(k, "k", kv_layout if paging else "NHD")
+    vi = tensors.describe_kv(v, "v", kv_layout if paging else "NHD")
     shapes = tensors.check_decode_inputs(qi, ki, vi, kv_layout=kv_layout if paging else None)
     if paging and seq_lens is None:
         raise ValueError("seq_lens: a paged cache needs the lengths (its pages do not say them)")

@@ -323,13 +323,13 @@ def is_quantized_kv(x: Any) -> bool:
     return isinstance(x, QuantizedKV)
 
 
-def describe_kv(x: Any, name: str) -> TensorInfo:
+def describe_kv(x: Any, name: str, kv_layout: str = "NHD") -> TensorInfo:
     """`describe` for K or V: a plain array (bf16 from uint16 allowed), or a `splitkv.QuantizedKV`,
-    whose parts are checked here and which is described by its logical shape [B, L, Hkv, D] and its
-    format as the dtype (the pointer is its values')."""
+    whose parts are checked here and which is described by its logical shape [B, L, Hkv, D] (paged
+    HND: [pages, Hkv, page_size, D]) and its format as the dtype (the pointer is its values')."""
     if not is_quantized_kv(x):
         return describe(x, name, bf16_from_uint16=True)
-    return quantized_kv_info(x.kv_dtype, describe_quantized(x, name))
+    return quantized_kv_info(x.kv_dtype, describe_quantized(x, name, kv_layout))
 
 
 def quantized_kv_info(kv_dtype: str, parts: QuantizedParts) -> TensorInfo:
@@ -340,10 +340,11 @@ def quantized_kv_info(kv_dtype: str, parts: QuantizedParts) -> TensorInfo:
                       parts.values.kind, parts.values.stream, parts.values.readonly)
 
 
-def describe_quantized(x: Any, name: str) -> QuantizedParts:
-    """The parts of a `splitkv.QuantizedKV`, checked: uint8 values [B, L, Hkv, D x bits / 8],
-    (NVFP4) uint8 block scales [B, L, Hkv, D / 16], float32 scale of 1 or Hkv values, contiguous,
-    16-byte aligned and on one device. TypeError / ValueError name the part."""
+def describe_quantized(x: Any, name: str, kv_layout: str = "NHD") -> QuantizedParts:
+    """The parts of a `splitkv.QuantizedKV`, checked: uint8 values [B, L, Hkv, D x bits / 8] (paged
+    HND caches: [pages, Hkv, page_size, ...]), (NVFP4) uint8 block scales of the same leading shape
+    and D / 16 last, float32 scale of 1 or Hkv values, contiguous, 16-byte aligned and on one
+    device. TypeError / ValueError name the part."""
     if x.kv_dtype not in spec.QUANTIZED_KV_DTYPES:
         raise ValueError(f"{name}: unknown quantized format {x.kv_dtype!r}; expected one of "
                          f"{list(spec.QUANTIZED_KV_DTYPES)}")
@@ -352,7 +353,7 @@ def describe_quantized(x: Any, name: str) -> QuantizedParts:
     if values.dtype != "uint8":
         raise TypeError(f"{name}.values: expected dtype uint8, got {values.dtype}")
     _check_layout(values, f"{name}.values")
-    heads = values.shape[2]
+    heads = values.shape[1 if kv_layout == "HND" else 2]
     block_scales = None
     if x.kv_dtype == "nvfp4":
         if x.block_scales is None:

@@ -461,3 +461,84 @@ def test_the_default_planner_routes_a_long_row_among_many_short_ones_to_units(fa
     for lens in ([65536], [131072], [4096] * 16, [1024] * 64, [3000, 5, 0, 16384]):
         plan = attn.plan(lens)  # whole-row clusters, waves of dense rows, modest skew: the split planner
         assert not isinstance(plan, UnitPlan), (lens, attn.plan_info)
+
+
+def test_lengths_that_may_grow_after_plan_are_never_left_to_units(fake_gpu):
+    """A units plan covers the lengths it was planned for: with device lengths that may grow up to
+    max_len (graph replays), the default planner keeps to the split planner, whose grid covers
+    max_len, and variant='units' is refused with how to plan instead."""
+    from splitkv import DecodeAttention
+    from splitkv.work_units import UnitPlan
+
+    attn = DecodeAttention(32, 8, 128, q_dtype="fp16", kv_dtype="fp16")
+    lens = [60000] + [512] * 63
+    assert isinstance(attn.plan(_DeviceArray((64,), "<i4", lens)), UnitPlan)  # fixed lengths: units
+    plan = attn.plan(_DeviceArray((64,), "<i4", lens), max_len=65536)
+    assert not isinstance(plan, UnitPlan) and attn._launch.max_len == 65536
+    assert plan.tokens_per_split * plan.num_splits >= 65536
+    with pytest.raises(ValueError, match="max_len: a 'units' plan covers the lengths it is planned for"):
+        attn.plan(_DeviceArray((64,), "<i4", lens), max_len=65536, variant="units")
+    assert isinstance(attn.plan(_DeviceArray((64,), "<i4", lens), max_len=60000, variant="units"), UnitPlan)
+
+
+def test_a_plan_that_fails_leaves_the_live_plan_as_it_was(fake_gpu):
+    """plan() checks everything before it writes a buffer the live plan (or a graph captured over
+    it) reads: a bad block table leaves the unit tables, lengths and page table untouched."""
+    from splitkv import DecodeAttention
+
+    for variant in ("units", None):
+        attn = DecodeAttention(32, 8, 128, q_dtype="fp16", kv_dtype="fp16", page_size=16)
+        table = np.arange(2 * 400, dtype=np.int32).reshape(2, 400)
+        attn.plan([6096, 6096], block_table=table, variant=variant)
+        live = attn._launch
+        held = {name: buf.host.copy() for name, buf in attn._workspace.items()}
+        bad = np.zeros((4, 2), dtype=np.int32)
+        bad[3, 0] = -1
+        with pytest.raises(ValueError, match="sequence 3"):
+            attn.plan([20, 20, 20, 20], block_table=bad, variant=variant)
+        assert attn._launch is live
+        for name, buf in attn._workspace.items():
+            assert np.array_equal(buf.host, held[name]), (variant, name)
+
+
+def test_an_hnd_quantized_cache_takes_a_scale_per_kv_head(fake_gpu):
+    """[pages, Hkv, page_size, ...]: the per-head scale has Hkv values, not page_size."""
+    from splitkv import DecodeAttention
+    from splitkv.quantize import QuantizedKV
+
+    hkv, page, d = 8, 4, 128
+    attn = DecodeAttention(32, hkv, d, q_dtype="fp16", kv_dtype="fp8_e4m3", page_size=page, kv_layout="HND")
+    attn.plan([20, 20], block_table=np.arange(10, dtype=np.int32).reshape(2, 5))
+    q = _DeviceArray((2, 32, d))
+
+    def cache(scales):
+        return QuantizedKV("fp8_e4m3", _DeviceArray((10, hkv, page, d), "|u1"), None, _DeviceArray((scales,), "<f4"))
+    k = cache(hkv)
+    attn.run(q, k, cache(hkv))
+    assert int(runtime._quantized_args(k, k)[1]) == 1  # one scale per K/V head
+    with pytest.raises(ValueError, match="k.scale"):
+        attn.run(q, cache(page), cache(page))
+
+
+def test_a_device_table_may_leave_pages_the_lengths_do_not_use_yet(fake_gpu):
+    """With device lengths that may grow to max_len, validation checks the pages today's lengths use;
+    the table must still be wide enough for max_len."""
+    from splitkv import DecodeAttention
+
+    attn = DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16", page_size=16)
+    table = _DeviceArray((2, 4), "<i4")
+    table.host = np.array([[0, -1, -1, -1], [1, -1, -1, -1]], np.int32)
+    attn.plan(_DeviceArray((2,), "<i4", [10, 10]), max_len=64, block_table=table)
+    assert attn._launch.max_len == 64
+    with pytest.raises(ValueError, match="block_table: holds 4 pages of 16 tokens"):
+        attn.plan(_DeviceArray((2,), "<i4", [10, 10]), max_len=65, block_table=table)
+
+
+def test_a_units_plan_of_an_empty_cache_maps_a_stand_in_tile(fake_gpu):
+    from splitkv import DecodeAttention
+
+    attn = DecodeAttention(32, 8, 128, q_dtype="fp16", kv_dtype="fp16")
+    attn.plan([0, 0], variant="units")
+    attn.run(*_qkv(2, 32, 8, 128, 0))
+    stand_in = attn._launch.empty_kv_ptr
+    assert attn._launch.spec.kv_copy == "tma" and stand_in and {ptr for ptr, *_ in fake_gpu.maps} == {stand_in}

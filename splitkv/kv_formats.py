@@ -68,6 +68,12 @@ def format_bytes_per_element(kv_format: str) -> float:
     return 1.0 if kv_format == "fp8_e4m3" else 0.5 + 1.0 / NVFP4_BLOCK
 
 
+#: Smallest scale taken: the quantizer multiplies by 1 / scale (NVFP4: 1 / (block scale x scale),
+#: the block scale down to 2^-9), which must stay finite in float32. The default scale of a tensor
+#: whose largest magnitude is tinier still is this (its elements then round to 0 or tiny codes).
+MIN_SCALE = 2.0 ** -100
+
+
 def format_max(kv_format: str) -> float:
     """The value a default scale maps the largest magnitude onto (448, or 448 x 6 for NVFP4)."""
     return E4M3_MAX if kv_format == "fp8_e4m3" else E4M3_MAX * E2M1_MAX
@@ -77,8 +83,8 @@ def default_scale_reference(x: np.ndarray, kv_format: str, *, per_head: bool) ->
     """The default float32 scale of ``x`` ``[..., num_kv_heads, head_dim]``: shape (1,) or
     (num_kv_heads,). Computed in float32 exactly as the GPU path does."""
     amax = _amax(np.asarray(x, np.float32), per_head)
-    scale = amax / np.float32(format_max(check_format(kv_format)))
-    return np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+    scale = np.maximum(amax / np.float32(format_max(check_format(kv_format))), np.float32(MIN_SCALE))
+    return np.where(amax > 0, scale, np.float32(1.0)).astype(np.float32)
 
 
 def _amax(x: np.ndarray, per_head: bool) -> np.ndarray:
@@ -90,13 +96,14 @@ def _amax(x: np.ndarray, per_head: bool) -> np.ndarray:
 
 
 def head_scales(scale, num_kv_heads: int) -> np.ndarray:
-    """``scale`` (1 or num_kv_heads finite positive values) as float32 over the head axis: shape
-    (num_kv_heads, 1). ValueError otherwise."""
+    """``scale`` (1 or num_kv_heads finite values of at least `MIN_SCALE`) as float32 over the head
+    axis: shape (num_kv_heads, 1). ValueError otherwise."""
     scale = np.asarray(scale, np.float32).reshape(-1)
     if scale.size not in (1, num_kv_heads):
         raise ValueError(f"scale: expected 1 or num_kv_heads={num_kv_heads} values, got {scale.size}")
-    if not np.all(np.isfinite(scale) & (scale > 0)):
-        raise ValueError(f"scale: every scale must be finite and positive, got {scale}")
+    if not np.all(np.isfinite(scale) & (scale >= np.float32(MIN_SCALE))):
+        raise ValueError(f"scale: every scale must be finite and at least 2^-100 (the quantizer divides by it), "
+                         f"got {scale}")
     return np.broadcast_to(scale, (num_kv_heads,)).reshape(num_kv_heads, 1)
 
 

@@ -82,6 +82,8 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
     waits for the stream. Default: on, except while the stream is captured into a CUDA graph,
     where it cannot wait; there pass ``status`` (a zeroed device int32 array of one element) and
     read it later: bit 1 non-finite input, bit 2 position out of range, bit 4 page out of range.
+    While capturing, ``status``, ``positions`` and ``block_table`` must be device arrays that
+    outlive the graph (a host one would be copied into a temporary the graph would outlive).
     """
     kv_formats.check_format(kv_dtype)
     info = tensors.describe(x, "x", bf16_from_uint16=True)
@@ -99,6 +101,8 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
     import cupy
 
     device = info.device if info.device is not None else cupy.cuda.Device().id
+    # Compiled for the GPU it runs on (an sm_90 cubin loads on no other arch).
+    qspec = dataclasses.replace(qspec, arch="sm_" + cupy.cuda.Device(device).compute_capability)
     with streams.on_device(device):
         ptr = tensors.stream_ptr(info, stream)
         with streams.use_stream(ptr):
@@ -108,6 +112,8 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
             elif check and capturing:
                 raise ValueError("check: the status cannot be read back while the stream is captured into a "
                                  "CUDA graph; pass check=False and a status array")
+            if capturing:
+                _check_capturable(status, positions, block_table)
             x_cp = tensors.to_cupy(x).reshape(batch, tokens, num_kv_heads, head_dim)
             paging = None
             if out is None:
@@ -190,7 +196,8 @@ def _default_scale(x_cp, in_dtype: str, kv_dtype: str, per_head: bool):
     magnitude = cupy.where(cupy.isfinite(values), cupy.abs(values), cupy.float32(0))
     amax = magnitude.max(axis=(0, 1, 3)) if per_head else magnitude.max().reshape(1)
     scale = amax / cupy.float32(kv_formats.format_max(kv_dtype))
-    return cupy.where(scale > 0, scale, cupy.float32(1)).astype(cupy.float32)
+    scale = cupy.maximum(scale, cupy.float32(kv_formats.MIN_SCALE))
+    return cupy.where(amax > 0, scale, cupy.float32(1)).astype(cupy.float32)
 
 
 def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: int) -> QuantizedKV:
@@ -249,7 +256,7 @@ def _paging_args(block_table, batch: int, geometry, kv_layout: str) -> tuple:
         info = tensors.describe(block_table, "block_table")
         table = tensors.to_cupy(block_table)
     else:
-        table = cupy.asarray(np.ascontiguousarray(np.asarray(block_table), dtype=np.int32))
+        table = cupy.asarray(_host_int32(block_table, "block_table"))
         info = tensors.describe(table, "block_table")
     tensors.check_block_table_info(info, batch)
     return (np.uint64(table.data.ptr), np.int32(info.shape[1]), np.int32(page_size), np.int32(kv_layout == "HND"),
@@ -273,6 +280,7 @@ def _positions_array(positions, batch: int, tokens: int, cache_len: int):
     host = np.asarray(positions)
     if host.shape != (batch,) or (host.size and host.dtype.kind not in "iu"):
         raise ValueError(f"positions: expected {batch} integers (one per sequence), got {host.dtype} {host.shape}")
+    host = _host_int32(host, "positions")
     end = host.astype(np.int64) + tokens
     bad = np.flatnonzero((host < 0) | (end > cache_len))
     if bad.size:
@@ -280,6 +288,27 @@ def _positions_array(positions, batch: int, tokens: int, cache_len: int):
         raise ValueError(f"positions: positions[{i}] = {int(host[i])} with {tokens} tokens falls outside the "
                          f"cache's {cache_len} rows")
     return cupy.asarray(host.astype(np.int32))
+
+
+def _host_int32(values, name: str) -> np.ndarray:
+    """Host integers as contiguous int32; a non-integer dtype or a value outside int32 is a
+    ValueError (a silent cast would write to another row or page)."""
+    host = np.asarray(values)
+    if host.size and host.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected integers, got {host.dtype}")
+    if host.size and (int(host.min()) < np.iinfo(np.int32).min or int(host.max()) > np.iinfo(np.int32).max):
+        raise ValueError(f"{name}: values must fit int32, got {int(host.min())}..{int(host.max())}")
+    return np.ascontiguousarray(host, dtype=np.int32)
+
+
+def _check_capturable(status, positions, block_table) -> None:
+    """Inside CUDA-graph capture every array the kernel reads or writes must outlive the graph: a
+    host argument would be copied into a temporary that is freed (and its copy captured). (A new
+    cache's scale lives in the cache.)"""
+    for name, value in (("status", status), ("positions", positions), ("block_table", block_table)):
+        if (value is not None or name == "status") and not tensors.is_device_array(value):
+            raise ValueError(f"{name}: while the stream is captured into a CUDA graph, pass it as a device array "
+                             f"that outlives the graph" + (" (status: int32, one element)" if name == "status" else ""))
 
 
 def _status_array(status):

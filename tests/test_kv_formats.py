@@ -153,8 +153,25 @@ def test_reference_rejects_bad_scales_and_shapes():
     x = np.ones((1, 2, 4, 32), np.float32)
     with pytest.raises(ValueError, match="scale: expected 1 or num_kv_heads=4"):
         quantize_reference(x, "fp8_e4m3", [1.0, 2.0])
-    with pytest.raises(ValueError, match="finite and positive"):
-        quantize_reference(x, "nvfp4", 0.0)
+    for bad in (0.0, -1.0, 1e-37, float("inf")):
+        with pytest.raises(ValueError, match="finite and at least 2\\^-100"):
+            quantize_reference(x, "nvfp4", bad)
+
+
+def test_tiny_tensors_get_a_scale_whose_reciprocal_is_finite():
+    """A tensor of tiny finite values (largest below 448 x 2^-100) gets the smallest scale taken, so
+    1 / scale and 1 / (block scale x scale) stay finite: its zeros stay zeros and nothing turns NaN."""
+    from splitkv.kv_formats import MIN_SCALE, default_scale_reference, dequantize_reference
+
+    x = np.zeros((1, 1, 1, 32), np.float32)
+    x[..., 0], x[..., 1] = 1e-37, -2e-38
+    for kv_format in ("fp8_e4m3", "nvfp4"):
+        scale = default_scale_reference(x, kv_format, per_head=False)
+        assert scale[0] == np.float32(MIN_SCALE)
+        values, blocks = quantize_reference(x, kv_format, scale)
+        back = dequantize_reference(values, blocks, kv_format, scale)
+        assert np.all(np.isfinite(back)) and np.all(back[..., 2:] == 0)
+        assert np.all(np.abs(back - x) <= 1e-36)
     with pytest.raises(ValueError, match="kv_dtype"):
         quantize_reference(x, "int4", 1.0)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -221,3 +238,24 @@ def test_caches_to_quantize_into_are_checked_part_by_part():
         _check_paged_cache(pages, "fp8_e4m3", 4, 128, "HND")
     with pytest.raises(TypeError, match="expected a nvfp4 QuantizedKV"):
         _check_paged_cache(pages, "nvfp4", 2, 128, "HND")
+
+
+def test_host_positions_and_tables_are_checked_not_cast():
+    """Host integers outside int32 or of a float dtype are refused (a cast would write another row
+    or page); inside CUDA-graph capture, status, positions and tables must be device arrays."""
+    from splitkv.quantize import _check_capturable, _host_int32, _positions_array
+    from tests.test_inputs import FakeCAI
+
+    assert _host_int32([[3, 4]], "block_table").dtype == np.int32
+    with pytest.raises(ValueError, match="block_table: values must fit int32"):
+        _host_int32([[2**32 + 5, 1]], "block_table")
+    with pytest.raises(ValueError, match="block_table: expected integers"):
+        _host_int32([[1.9, 2.0]], "block_table")
+    with pytest.raises(ValueError, match="positions: values must fit int32"):
+        _positions_array(np.array([2**63 + 5], np.uint64), 1, 1, 64)
+    device = FakeCAI((1,), "<i4", ptr=0x7F00_0000_0000)
+    _check_capturable(device, device, None)
+    for args, name in (((None, device, None), "status"), ((device, [0], None), "positions"),
+                       ((device, None, [[0]]), "block_table")):
+        with pytest.raises(ValueError, match=f"{name}: while the stream is captured"):
+            _check_capturable(*args)

@@ -155,7 +155,7 @@ def test_input_errors_name_the_argument():
         quantize_kv(cupy.zeros((1, 1, 1, 40), cupy.float16), "nvfp4")
     with pytest.raises(ValueError, match="x: expected contiguous"):
         quantize_kv(cupy.zeros((2, 4, 2, 128), cupy.float16)[..., :64], "fp8_e4m3")
-    with pytest.raises(ValueError, match="scale: every scale must be finite and positive"):
+    with pytest.raises(ValueError, match="scale: every scale must be finite and at least"):
         quantize_kv(x, "fp8_e4m3", scale=-1.0)
     cache = quantize_kv(x, "nvfp4", scale=1.0)
     with pytest.raises(ValueError, match="scale: a cache keeps its own scale"):
@@ -196,6 +196,8 @@ def test_append_in_a_cuda_graph_replays_for_new_positions():
         stream.begin_capture()
         with pytest.raises(ValueError, match="check: the status cannot be read back"):
             quantize_kv(new_dev, kv_format, out=cache, positions=positions, check=True)
+        with pytest.raises(ValueError, match="positions: while the stream is captured"):
+            quantize_kv(new_dev, kv_format, out=cache, positions=[0, 0], check=False, status=status)
         quantize_kv(new_dev, kv_format, out=cache, positions=positions, status=status)
         graph = stream.end_capture()
     values, _ = quantize_reference(new, kv_format, [0.02, 0.3])

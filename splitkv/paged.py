@@ -20,24 +20,25 @@ from .spec import KV_LAYOUTS as PAGED_LAYOUTS
 from .spec import PAGE_SIZES
 
 
-def check_layout(layout: str) -> str:
+def check_layout(layout: str, name: str = "layout") -> str:
     if layout not in PAGED_LAYOUTS:
-        raise ValueError(f"layout: expected one of {list(PAGED_LAYOUTS)}, got {layout!r}")
+        raise ValueError(f"{name}: expected one of {list(PAGED_LAYOUTS)}, got {layout!r}")
     return layout
 
 
-def cache_geometry(shape, layout: str) -> tuple[int, int, int, int]:
-    """(num_pages, page_size, num_kv_heads, head_dim) of a paged cache of ``shape`` in ``layout``;
-    ValueError for a rank other than 4 or a page size that is no power of two up to 256."""
-    check_layout(layout)
+def cache_geometry(shape, layout: str, name: str = "k_cache") -> tuple[int, int, int, int]:
+    """(num_pages, page_size, num_kv_heads, head_dim) of a paged cache ``name`` of (logical)
+    ``shape`` in ``layout``; ValueError for a rank other than 4 or a page size that is no power of
+    two up to 256."""
+    check_layout(layout, "kv_layout")
     shape = tuple(int(n) for n in shape)
     if len(shape) != 4:
-        raise ValueError(f"k_cache: expected 4 dimensions [num_pages, page_size, num_kv_heads, head_dim] "
+        raise ValueError(f"{name}: expected 4 dimensions [num_pages, page_size, num_kv_heads, head_dim] "
                          f"(NHD) or [num_pages, num_kv_heads, page_size, head_dim] (HND), got shape {shape}")
     num_pages, a, b, head_dim = shape
     page_size, num_kv_heads = (a, b) if layout == "NHD" else (b, a)
     if page_size not in PAGE_SIZES:
-        raise ValueError(f"k_cache: page size {page_size} (from shape {shape}, layout {layout}) is not a power "
+        raise ValueError(f"{name}: page size {page_size} (from shape {shape}, layout {layout}) is not a power "
                          f"of two from 1 to {PAGE_SIZES[-1]}")
     return num_pages, page_size, num_kv_heads, head_dim
 

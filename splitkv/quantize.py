@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import kv_formats, streams, tensors
+from .paged import check_layout
 from .spec import QUANTIZE_IN_DTYPES, QuantizeSpec
 
 #: Status bits the quantizer ORs into its status word (see quantize.cu.j2).
@@ -86,6 +87,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
     outlive the graph (a host one would be copied into a temporary the graph would outlive).
     """
     kv_formats.check_format(kv_dtype)
+    check_layout(kv_layout, "kv_layout")
     info = tensors.describe(x, "x", bf16_from_uint16=True)
     if info.ndim == 3:
         info = dataclasses.replace(info, shape=(info.shape[0], 1, *info.shape[1:]),
@@ -237,7 +239,7 @@ def _check_paged_cache(out, kv_dtype: str, num_kv_heads: int, head_dim: int, kv_
     if values.ndim != 4:
         raise ValueError(f"out.values: expected a paged cache of 4 dimensions, got shape {values.shape}")
     logical = (*values.shape[:3], head_dim)
-    num_pages, page_size, heads, _ = cache_geometry(logical, kv_layout)
+    num_pages, page_size, heads, _ = cache_geometry(logical, kv_layout, "out.values")
     value_shape, block_shape = kv_formats.stored_shapes(logical, kv_dtype)
     if heads != num_kv_heads or values.shape != value_shape or values.dtype != "uint8":
         raise ValueError(f"out.values: expected uint8 pages of {num_kv_heads} K/V heads and head_dim {head_dim} "

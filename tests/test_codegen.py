@@ -286,6 +286,34 @@ def test_without_the_disk_cache_the_program_is_compiled_again_and_stored(fresh):
 
 
 @needs_nvrtc
+def test_a_damaged_cached_cubin_is_compiled_again(fresh):
+    """A cubin cut short or overwritten on disk (its metadata intact) is not served: compiled again."""
+    spec = MergeSpec(head_dim=64, out_dtype="bf16")
+    first = compile_module.compile_cubin(spec)
+    for damage in (b"", b"garbage"):
+        first.cubin_path.write_bytes(damage)
+        compile_module._memory_cache.clear()
+        again = compile_module.compile_cubin(spec)
+        assert not again.cached and again.cubin == first.cubin and first.cubin_path.read_bytes() == first.cubin
+
+
+def test_an_upgraded_toolchain_changes_the_cache_key(monkeypatch, tmp_path):
+    """The key holds the CUDA headers' names, sizes and times and the NVRTC package's version:
+    a header rewritten by an upgrade makes every key new."""
+    (tmp_path / "cuda_bf16.h").write_text("// one version\n")
+    monkeypatch.setattr(compile_module, "cuda_include_dirs", lambda: (str(tmp_path),))
+    monkeypatch.setattr(compile_module, "nvrtc_version", lambda: (13, 0))
+    compile_module.toolchain_fingerprint.cache_clear()
+    try:
+        before = compile_module._cache_key("src", {}, ["-x"])
+        os.utime(tmp_path / "cuda_bf16.h", ns=(1, 1))
+        compile_module.toolchain_fingerprint.cache_clear()
+        assert compile_module._cache_key("src", {}, ["-x"]) != before
+    finally:
+        compile_module.toolchain_fingerprint.cache_clear()
+
+
+@needs_nvrtc
 def test_programs_of_one_name_keep_their_own_sources(monkeypatch, fresh):
     # Two splitkv versions sharing a cache render different programs under the same name.
     spec = KernelSpec(group_size=2, head_dim=96)

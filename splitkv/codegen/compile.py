@@ -185,9 +185,34 @@ def compile_cubin(spec: AnySpec, *, use_disk_cache: bool = True,
     return result
 
 
+@functools.lru_cache(maxsize=1)
+def toolchain_fingerprint() -> str:
+    """What of the compiler the cache key holds beyond NVRTC's (major, minor): the installed NVRTC
+    package's version (its patch level) and the CUDA headers' names, sizes and modification times
+    (an upgraded runtime package rewrites them), so an upgrade never serves an older cubin."""
+    from importlib import metadata
+
+    parts = []
+    for dist in ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu13", "nvidia-cuda-nvrtc-cu12"):
+        try:
+            parts.append(f"{dist}=={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    for folder in cuda_include_dirs():
+        for root, _, files in sorted(os.walk(folder)):
+            for name in sorted(files):
+                try:
+                    st = os.stat(os.path.join(root, name))
+                except OSError:
+                    continue
+                parts.append(f"{os.path.relpath(os.path.join(root, name), folder)}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 def _cache_key(source: str, headers: dict[str, str], options: list[str]) -> str:
     digest = hashlib.sha256()
-    for part in (repr(nvrtc_version()), "\0".join(options), source, *headers.keys(), *headers.values()):
+    for part in (repr(nvrtc_version()), toolchain_fingerprint(), "\0".join(options), source, *headers.keys(),
+                 *headers.values()):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:24]
@@ -229,6 +254,8 @@ def _read_disk_cache(folder: Path, key: str, spec, source: str, stem: str) -> Co
         meta = json.loads(meta_path.read_text())
         cubin = cubin_path.read_bytes()
     except (OSError, ValueError):
+        return None
+    if cubin[:4] != b"\x7fELF":  # cut short or damaged (a crash mid-write, a full disk): compile again
         return None
     source_path = folder / _source_dir(key) / f"{stem}.cu"
     return CompileResult(spec, source, cubin, meta.get("registers"), meta.get("spill_bytes"),

@@ -509,7 +509,7 @@ def table_rows(result: dict) -> list[list[str]]:
         peers = entry.get("peers") or {}
         row = [entry["label"]]
         if _ok(sk):
-            row += [_time(sk), f"{sk['gbps']:.0f}",
+            row += [_time(sk) + (" !" if suspect(sk) else ""), f"{sk['gbps']:.0f}",
                     "-" if sk.get("pct_copy_bw") is None else f"{sk['pct_copy_bw']:.0f}"]
         else:
             row += [_na(sk), "-", "-"]
@@ -517,7 +517,7 @@ def table_rows(result: dict) -> list[list[str]]:
         row.append(f"{sk['x_floor']:.2f}" if _ok(sk) and sk.get("x_floor") else "-")
         best = entry.get("best_peer")
         if best:
-            row.append(f"{PEER_NAMES.get(best, best)} {_time(peers[best])}")
+            row.append(f"{PEER_NAMES.get(best, best)} {_time(peers[best])}" + (" !" if suspect(peers[best]) else ""))
             row.append(f"{peers[best]['median_us'] / sk['median_us']:.2f}x" if _ok(sk) else "-")
         else:
             row += ["-", "-"]
@@ -789,8 +789,9 @@ class Harness:
 class Inputs:
     """q [B, Hq, D], k and v [B, L, Hkv, D] (contiguous), random normal bf16, never zeros. For a
     quantized shape, ``k`` and ``v`` are the bf16 values quantized on the GPU (`splitkv.QuantizedKV`,
-    per-tensor scales) and ``k_bf16``, ``v_bf16`` the values they came from, which the reference
-    reads: the error reported for them is the format's, end to end."""
+    per-tensor scales) and ``k_bf16``, ``v_bf16`` the values they came from: `reference_output`
+    reads those (the error end to end, the format's included), `kernel_reference` the dequantized
+    cache (the programs' own error, which the check flags)."""
 
     def __init__(self, shape: Shape, seed: int, torch_mod=None):
         self.shape = shape
@@ -857,6 +858,23 @@ def reference_output(inputs: Inputs):
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, inputs.v_bf16.float())
     return out.reshape(s.batch, s.num_qo_heads, s.head_dim)
+
+
+def kernel_reference(inputs: Inputs):
+    """For a quantized shape, the fp32 reference over the values the programs read (the cache
+    dequantized on the host): what a program's own error is checked against, the format's rounding
+    left out (`reference_output` keeps it: the error end to end). None for other shapes, or without
+    torch."""
+    torch = inputs.torch
+    if torch is None or not inputs.shape.quantized:
+        return None
+    kept = inputs.k_bf16, inputs.v_bf16
+    try:
+        inputs.k_bf16, inputs.v_bf16 = (torch.from_numpy(c.dequantize_reference()).float().cuda()
+                                        for c in (inputs.k, inputs.v))
+        return reference_output(inputs)
+    finally:
+        inputs.k_bf16, inputs.v_bf16 = kept
 
 
 def compare(out, ref) -> dict:
@@ -1160,7 +1178,9 @@ def bench_shape(harness: Harness, floor, shape: Shape, peers: list[str], spec_ov
     entry = {"shape": shape.to_dict(), "label": shape.label, "token": shape.token,
              "bytes": shape.bytes_dict()}
     inputs = Inputs(shape, seed, torch)
-    ref = reference_output(inputs)
+    end_to_end = reference_output(inputs)  # quantized shapes: over the values before quantization
+    kernel_ref = kernel_reference(inputs)
+    ref = kernel_ref if kernel_ref is not None else end_to_end  # what outputs are checked against
 
     floor_entry, _ = measure_case(harness, lambda: Case(floor.reader(shape.total_bytes), lambda: None))
     floor_us = floor_entry.get("median_us") if floor_entry["status"] == "ok" else None
@@ -1171,6 +1191,8 @@ def bench_shape(harness: Harness, floor, shape: Shape, peers: list[str], spec_ov
     sk, sk_out = measure_case(harness, lambda: splitkv_case(inputs), ref)
     if sk["status"] == "ok":
         sk.update(derived_figures(shape, sk["median_us"], floor_us, copy_gbps))
+    if kernel_ref is not None and sk_out is not None:  # what the format costs, reported, not flagged
+        sk["end_to_end_rel_diff"] = compare(sk_out, end_to_end).get("rel_diff")
     entry["splitkv"] = sk
 
     specs = {}
@@ -1210,7 +1232,7 @@ def bench_shape(harness: Harness, floor, shape: Shape, peers: list[str], spec_ov
     entry["best_flashinfer"] = best_of(peer_entries, "flashinfer")
     entry["best_peer"] = best_of(peer_entries)
 
-    del inputs, ref, sk_out
+    del inputs, ref, kernel_ref, end_to_end, sk_out
     _free_memory(torch)
     return entry
 

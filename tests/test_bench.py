@@ -348,6 +348,20 @@ def test_table_rows_content():
     assert r2[col["FlashInfer µs"]] == "83.7 (paged-tc)"
 
 
+def test_a_wrong_splitkv_or_best_peer_output_is_flagged_in_the_table():
+    """splitkv's own check and the best peer's show in the table, not only in the JSON."""
+    result = _fake_result()
+    first = result["shapes"][0]
+    first["splitkv"]["rel_diff"] = 0.9
+    first["peers"]["sdpa-cudnn"]["rel_diff"] = 0.5
+    header, r1, _ = bench.table_rows(result)
+    col = {name: i for i, name in enumerate(header)}
+    assert r1[col["splitkv µs"]] == "8.00 !" and r1[col["best peer µs"]] == "cuDNN SDPA 17.2 !"
+    first["splitkv"]["rel_diff"] = first["peers"]["sdpa-cudnn"]["rel_diff"] = 0.001
+    header, r1, _ = bench.table_rows(result)
+    assert r1[col["splitkv µs"]] == "8.00" and r1[col["best peer µs"]] == "cuDNN SDPA 17.2"
+
+
 def test_text_table_is_aligned():
     text = bench.render_text_table(bench.table_rows(_fake_result()))
     lines = text.splitlines()

@@ -40,10 +40,8 @@ def sweep(key: TuneKey, lengths=LENGTHS, iters: int = 50, seed: int = 0) -> dict
             shape = bench.Shape(1, key.group_size * REFERENCE_KV_HEADS, REFERENCE_KV_HEADS, key.head_dim, length,
                                 key.kv_dtype)
             inputs = bench.Inputs(shape, seed, torch)
-            if shape.quantized:  # the values the programs read: the format's own rounding is no error of theirs
-                inputs.k_bf16, inputs.v_bf16 = (torch.from_numpy(c.dequantize_reference()).float().cuda()
-                                                for c in (inputs.k, inputs.v))
-            ref = bench.reference_output(inputs)
+            # The values the programs read: the format's own rounding is no error of theirs.
+            ref = bench.kernel_reference(inputs) if shape.quantized else bench.reference_output(inputs)
 
             def percent(setup):
                 entry, _ = bench.measure_case(harness, setup, ref)

@@ -389,8 +389,10 @@ class KernelSpec:
         """Shared memory the program declares statically (barriers, flags, per-stage tile starts),
         on top of ``smem_bytes``; both count against the per-CTA limit. An upper bound."""
         per_stage = (16 if self.kv_copy in ("bulk", "tma") else 0) + (4 if self.steal_tiles else 0)
-        # tma: up to 1024 bytes of padding put the dynamic rings on a 1024-byte boundary
-        return 16 + self.warps * self.stages * per_stage + (1024 if self.kv_copy == "tma" else 0)
+        # tma: up to 1024 bytes of padding put the dynamic rings on a 1024-byte boundary. Stolen
+        # tiles: ptxas was seen to place 4-8 bytes more than the per-stage count (alignment).
+        return (16 + self.warps * self.stages * per_stage + (1024 if self.kv_copy == "tma" else 0)
+                + (16 if self.steal_tiles else 0))
 
     @property
     def smem_bytes(self) -> int:

@@ -847,16 +847,19 @@ def random_bf16_qkv(shape: Shape, seed: int = 0):
     return q, k, v, cupy.empty_like(q)
 
 
-def reference_output(inputs: Inputs):
-    """fp32 attention of the bf16 inputs (torch only), query head h reading K/V head h // group."""
+def reference_output(inputs: Inputs, k=None, v=None):
+    """fp32 attention of the bf16 inputs (torch only), query head h reading K/V head h // group;
+    over ``k``, ``v`` (torch tensors) instead of the bf16 K/V when given."""
     torch = inputs.torch
     if torch is None:
         return None
     s = inputs.shape
+    k = inputs.k_bf16 if k is None else k
+    v = inputs.v_bf16 if v is None else v
     q = inputs.q.float().view(s.batch, s.num_kv_heads, s.group_size, s.head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, inputs.k_bf16.float()) * (1.0 / math.sqrt(s.head_dim))
+    scores = torch.einsum("bhgd,blhd->bhgl", q, k.float()) * (1.0 / math.sqrt(s.head_dim))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, inputs.v_bf16.float())
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
     return out.reshape(s.batch, s.num_qo_heads, s.head_dim)
 
 
@@ -868,13 +871,8 @@ def kernel_reference(inputs: Inputs):
     torch = inputs.torch
     if torch is None or not inputs.shape.quantized:
         return None
-    kept = inputs.k_bf16, inputs.v_bf16
-    try:
-        inputs.k_bf16, inputs.v_bf16 = (torch.from_numpy(c.dequantize_reference()).float().cuda()
-                                        for c in (inputs.k, inputs.v))
-        return reference_output(inputs)
-    finally:
-        inputs.k_bf16, inputs.v_bf16 = kept
+    return reference_output(inputs, *(torch.from_numpy(c.dequantize_reference()).float().cuda()
+                                      for c in (inputs.k, inputs.v)))
 
 
 def compare(out, ref) -> dict:

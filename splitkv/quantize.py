@@ -289,7 +289,7 @@ def _positions_array(positions, batch: int, tokens: int, cache_len: int):
         i = int(bad[0])
         raise ValueError(f"positions: positions[{i}] = {int(host[i])} with {tokens} tokens falls outside the "
                          f"cache's {cache_len} rows")
-    return cupy.asarray(host.astype(np.int32))
+    return cupy.asarray(host)
 
 
 def _host_int32(values, name: str) -> np.ndarray:

@@ -18,7 +18,7 @@ import statistics
 
 from splitkv.autotune import keys, lookup, measure
 
-DEFAULT_CASES = ["64:1:b32-l4k:dense", "128:4:b1-l2k:split", "128:4:b1-l32k:split"]
+DEFAULT_CASES = ["64:1:b32-l4k:split", "128:4:b1-l2k:split", "128:4:b1-l32k:split"]
 
 
 def probe(case: str, rounds: int, iters: int) -> None:

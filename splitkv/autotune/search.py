@@ -322,7 +322,8 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
     compares. Raises TrialFailed when the built-in choice itself fails on this bucket."""
     # Candidates that launch what the built-in choice launches on this bucket are the built-in
     # choice, measured as None; of several that launch the same, the fastest stands for them.
-    launches = {objective.runs(None)}
+    builtin_runs = objective.runs(None)
+    launches = {builtin_runs}
     candidates = {}
     for spec, _ in best_specs(study, key, arch, None):
         try:
@@ -354,7 +355,7 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
         compared["tuned_spec_us"] = None if mine is None else round(mine, 3)
         compared["builtin_spec_us"] = _builtin_figure(objective, exhaustive_results, key, arch)
     entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(measured(study)), today(),
-                  compared, tuned.detail.get("plan"))
+                  compared, tuned.detail.get("plan"), None if spec is None else builtin_runs)
     return Outcome(entry, trial_rows(study), report, objective.name)
 
 

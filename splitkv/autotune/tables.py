@@ -46,7 +46,7 @@ from .keys import Bucket, TuneKey, gpu_file_stem
 SCHEMA = 1
 HEADER_FIELDS = ("schema", "gpu", "arch", "sm_count", "cuda_runtime", "nvrtc", "splitkv", "date")
 ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "bandwidth_pct", "default_us", "trials", "date", "exhaustive",
-                "plan")
+                "plan", "default_plan")
 #: KernelSpec fields an entry's spec leaves out: the table's arch, and the key's fields.
 _KEY_SPEC_FIELDS = ("arch", "head_dim", "group_size", "q_dtype", "kv_dtype", "page_size", "kv_layout")
 
@@ -69,6 +69,9 @@ class Entry:
     date: str = ""
     exhaustive: dict | None = None
     plan: str | None = None  # how the winner planned the bucket's shape (`DecodeAttention.plan_info`)
+    # What the built-in choice launched on the bucket, for a tuned entry: a winner must launch
+    # something else (the same plan would be the built-in choice measured twice).
+    default_plan: str | None = None
 
     @property
     def speedup(self) -> float:
@@ -89,6 +92,8 @@ class Entry:
             out["exhaustive"] = dict(self.exhaustive)
         if self.plan:
             out["plan"] = self.plan
+        if self.default_plan:
+            out["default_plan"] = self.default_plan
         return out
 
     @classmethod
@@ -117,7 +122,8 @@ class Entry:
         return cls(key, bucket, spec, float(data["tuned_us"]), float(data["default_us"]),
                    None if data.get("bandwidth_pct") is None else float(data["bandwidth_pct"]),
                    int(data.get("trials", 0)), str(data.get("date", "")), exhaustive,
-                   None if data.get("plan") is None else str(data["plan"]))
+                   None if data.get("plan") is None else str(data["plan"]),
+                   None if data.get("default_plan") is None else str(data["default_plan"]))
 
 
 @dataclass(frozen=True)

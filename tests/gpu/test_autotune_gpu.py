@@ -12,10 +12,11 @@ cupy = pytest.importorskip("cupy")
 pytest.importorskip("optuna")
 
 from splitkv import DecodeAttention, cli  # noqa: E402
-from splitkv.autotune import lookup, tables  # noqa: E402
+from splitkv.autotune import keys, lookup, tables  # noqa: E402
 from splitkv.runtime import gpu_name  # noqa: E402
 
 from test_decode_gpu import _rng, check_close, poisoned, random_values, reference  # noqa: E402
+from test_quantized_decode_gpu import quantized_inputs  # noqa: E402
 
 
 def _arch() -> str:
@@ -35,6 +36,8 @@ def test_a_short_tuning_run_writes_a_table_the_runtime_uses(tmp_path, monkeypatc
     (entry,) = table.entries
     assert entry.bucket.name == "b1-l4k" and entry.trials == 6
     assert 0 < entry.tuned_us <= entry.default_us and 0 < entry.bandwidth_pct < 100
+    # A winner records what the built-in choice launched, and launched something else.
+    assert entry.default_plan is None if entry.spec is None else entry.plan != entry.default_plan
 
     monkeypatch.setenv(lookup.ENV_DIR, str(out))
     lookup.forget()
@@ -96,3 +99,42 @@ def test_the_bandwidth_sweep_times_tuned_builtin_and_peers():
     assert result["lengths"] == [2048, 8192]
     for series in ("tuned", "built-in"):
         assert all(v is not None and 0 < v < 120 for v in result[series]), (series, result)
+
+
+def _shipped_sample(gpu: str = "NVIDIA H200", arch: str = "sm_90") -> list:
+    """Of the shipped table of ``gpu``, per (K/V dtype, bucket) the tuned entry of the largest gain:
+    the programs furthest from the built-in choice that the runtime would launch."""
+    path = lookup.shipped_dir() / arch / f"{keys.gpu_file_stem(gpu)}.yaml"
+    best = {}
+    for e in tables.load(path).entries:
+        slot = (e.key.kv_dtype, e.bucket.name)
+        if e.spec is not None and (slot not in best or e.speedup > best[slot].speedup):
+            best[slot] = e
+    return [best[slot] for slot in sorted(best)]
+
+
+@pytest.mark.parametrize("entry", _shipped_sample(), ids=lambda e: f"{e.key.label}-{e.bucket.name}")
+def test_the_shipped_table_launches_what_was_tuned_and_it_is_right(entry):
+    """On the GPU the table was tuned on, a call of the entry's bucket shape takes that entry, plans
+    exactly what the tuner measured (its recorded plan), and matches the float64 reference."""
+    if gpu_name(cupy.cuda.Device().id) != "NVIDIA H200":
+        pytest.skip("the shipped entries checked here are the H200's")
+    k_, b = entry.key, entry.bucket
+    num_kv, num_qo, dim = keys.REFERENCE_KV_HEADS, keys.REFERENCE_KV_HEADS * k_.group_size, k_.head_dim
+    lens = [b.seq_len] * b.batch
+    attn = DecodeAttention(num_qo, num_kv, dim, q_dtype=k_.q_dtype, kv_dtype=k_.kv_dtype)
+    attn.plan(lens)
+    assert attn.tuned_entry == entry and attn.plan_info == entry.plan, attn.plan_info
+
+    seed = int(_rng("shipped", k_.label, b.name).integers(2**31))
+    q, q64 = random_values((b.batch, num_qo, dim), k_.q_dtype, seed)
+    if k_.kv_dtype in ("bf16", "fp16"):
+        k, k64 = random_values((b.batch, b.seq_len, num_kv, dim), k_.kv_dtype, seed + 1)
+        v, v64 = random_values((b.batch, b.seq_len, num_kv, dim), k_.kv_dtype, seed + 2)
+    else:
+        k, v, k64, v64, _, _ = quantized_inputs(k_.kv_dtype, b.batch, b.seq_len, num_kv, dim, seed + 1)
+    out = poisoned((b.batch, num_qo, dim), k_.q_dtype)
+    lse = cupy.full((b.batch, num_qo), cupy.nan, dtype=cupy.float32)
+    attn.run(q, k, v, out=out, lse=lse)
+    ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(dim))
+    check_close(out, lse, ref_out, ref_lse, lens, k_.q_dtype, f"{k_.label} {b.name} {attn.plan_info}")

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write <name>.cu and <name>.cubin of every kernel built into DIR")
     p.add_argument("--list", action="store_true", help="list the kernel names only; compile nothing")
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
-                   help="compile N kernels at a time (default: number of CPUs)")
+                   help="compile N kernels at a time (default: number of CPUs; with --tune and --devices, "
+                        "shared among the workers)")
     p.add_argument("--tune", action="store_true",
                    help="measure candidate CTA shapes on this GPU (Optuna) and write the winners to a tuned table")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -856,14 +857,47 @@ def test_cli_tune_refuses_a_gpu_of_another_arch(tmp_path, capsys, monkeypatch):
     (["--arch", "sm90", "--tune", "--cost-model", "--bucket", "b1-32k"], "--bucket"),
     (["--arch", "sm90", "--tune", "--cost-model", "--trials", "0"], "--trials"),
     (["--arch", "sm90", "--tune", "--cost-model", "--devices", "0,x", "--storage", "j.log"], "--devices"),
+    (["--arch", "sm90", "--tune", "--cost-model", "--emit", "kernels"], "--emit does not go with --tune"),
+    (["--arch", "sm90", "--tune", "--cost-model", "--list"], "--list does not go with --tune"),
 ])
 def test_cli_tune_usage_errors(capsys, argv, message):
-    """Workers without shared storage (one worker on another GPU too), no trials, a bad bucket or
-    a bad device list are usage errors (status 2)."""
+    """Workers without shared storage (one worker on another GPU too), no trials, a bad bucket, a
+    bad device list, or the compile-only --emit and --list are usage errors (status 2)."""
     with pytest.raises(SystemExit) as raised:
         cli.main(argv)
     assert raised.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_tuning_compiles_with_jobs_given_or_the_cpus_shared_by_the_workers(monkeypatch, tmp_path):
+    """--jobs sets the candidates compiled at a time; without it one process takes every CPU and
+    each of N workers on the host 1/N of them (their command lines say so)."""
+    from splitkv.autotune import cli as tune_cli
+
+    monkeypatch.setattr(tune_cli.os, "cpu_count", lambda: 32)
+    assert (tune_cli.compile_jobs(None), tune_cli.compile_jobs(None, 2), tune_cli.compile_jobs(None, 64)) == (32, 16, 1)
+    assert tune_cli.compile_jobs(3, 2) == 3
+    started = []
+
+    class Exited:
+        returncode = 0
+
+        def poll(self):
+            return 0
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(tune_cli.subprocess, "Popen", lambda argv, **kw: started.append(argv) or Exited())
+    monkeypatch.setattr(tune_cli, "_count_trials", lambda args, names: 0)
+    for jobs, want in ((None, "16"), (5, "5")):
+        started.clear()
+        given = [] if jobs is None else ["--jobs", str(jobs)]
+        args = types.SimpleNamespace(argv=["--tune", "--devices", "0,1", *given], jobs=jobs, trials=4)
+        assert tune_cli._run_workers(args, [0, 1], ["study"]) == 0
+        assert len(started) == 2
+        for argv in started:
+            assert "--devices" not in argv and argv.count("--jobs") == 1 and argv[argv.index("--jobs") + 1] == want
 
 
 def test_worker_command_lines_drop_devices():

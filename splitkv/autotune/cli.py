@@ -90,6 +90,9 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
 
     if args.trials < 1:
         parser.error(f"--trials: expected a positive number, got {args.trials}")
+    for flag, given in (("--emit", args.emit is not None), ("--list", args.list)):
+        if given:  # they name the built-in programs to compile; a tuning run compiles its candidates
+            parser.error(f"{flag} does not go with --tune")
     try:
         buckets = [parse_bucket(b.strip()) for group in (args.buckets or []) for b in group.split(",") if b.strip()] \
             or list(BUCKETS)
@@ -261,7 +264,12 @@ def _objective(args, key, bucket, arch) -> _Lazy:
         return _Lazy(lambda: CostModelObjective(key, bucket, arch))
     from .measure import GpuObjective
 
-    return _Lazy(lambda: GpuObjective(key, bucket, iters=args.iters, seed=args.seed, jobs=os.cpu_count() or 1))
+    return _Lazy(lambda: GpuObjective(key, bucket, iters=args.iters, seed=args.seed, jobs=compile_jobs(args.jobs)))
+
+
+def compile_jobs(jobs: int | None, workers: int = 1) -> int:
+    """Candidates compiled at a time: ``--jobs``, else the host's CPUs shared among the workers."""
+    return jobs if jobs is not None else max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
 def _study_name(args, gpu, arch, key, bucket) -> str:
@@ -331,6 +339,8 @@ def _run_workers(args, devices, names) -> int:
     read from the shared storage while they run. A worker whose GPU context was lost (status 75)
     is started again, up to `WORKER_RESTARTS` times: it resumes past the candidate that did it."""
     argv = [sys.executable, "-m", "splitkv.cli", *_without_devices(args.argv), WORKER_FLAG]
+    if args.jobs is None:  # the workers compile at once on one host: each takes its share of the CPUs
+        argv += ["--jobs", str(compile_jobs(None, len(devices)))]
     log_dir = Path(tempfile.mkdtemp(prefix="splitkv-tune-workers-"))
     logs = [open(log_dir / f"worker-{i}-gpu{d}.log", "w") for i, d in enumerate(devices)]  # noqa: SIM115
 

@@ -812,6 +812,9 @@ def test_a_report_is_written_afterwards_from_the_table_and_the_storage(tmp_path,
     trials = search.open_study(name, str(tmp_path / "j.log")).trials
     assert [t["number"] for t in study["trials"]] == [t.number for t in trials] and len(trials) >= 12
     assert "cost model" in results["objective"] and KEY.label in (rep / "summary.md").read_text()
+    # The time the run took per phase comes from the storage too.
+    assert set(study["seconds"]) == set(search.PHASES) and all(v >= 0 for v in study["seconds"].values())
+    assert "s sample/compile/measure/confirm" in (rep / "summary.md").read_text()
 
     with pytest.raises(SystemExit):
         cli.main([a for a in argv if a != str(rep) and a != "--report"])
@@ -1127,6 +1130,38 @@ def test_finish_takes_no_candidate_that_launches_the_builtin_programs():
     launches = [obj.runs(s) for s, _ in search.best_specs(study, KEY, ARCH, None) if s.name in confirmed]
     assert obj.runs(None) not in launches and len(launches) == len(set(launches)) == len(confirmed) >= 1
     assert outcome.entry.spec is None or obj.runs(outcome.entry.spec) != obj.runs(None)
+
+
+def test_a_study_keeps_the_seconds_each_phase_took():
+    """run_trials and finish add this process's seconds per phase to the study (so a report written
+    later from the storage has them, and a worker's time is never overwritten by another's); the
+    summary shows them when given."""
+    pytest.importorskip("optuna")
+    from splitkv.autotune import report
+
+    class Slow(Recording):  # a compile and a measurement that take measurable time
+        def prepare(self, specs):
+            time.sleep(0.05)
+            return super().prepare(specs)
+
+        def measure(self, spec, iters=None):
+            time.sleep(0.005)
+            return super().measure(spec, iters)
+
+    study, obj = memory_study(), Slow(bucket="b1-l2k")
+    search.run_trials(study, KEY, ARCH, obj, trials=6)
+    spent = search.study_seconds(study)
+    assert set(spent) == {"sample", "compile", "measure"}
+    assert spent["compile"] >= 0.05 and spent["measure"] >= 0.005 * 6
+    outcome = search.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
+    assert set(outcome.seconds) == set(search.PHASES) and outcome.seconds["confirm"] >= 0.005 * 4
+    assert outcome.seconds["compile"] == pytest.approx(spent["compile"], abs=1e-3)  # finish compiles nothing
+    study.set_user_attr(f"{search.SECONDS_ATTR} another-host 1", {"compile": 2.5})  # a second worker
+    assert search.study_seconds(study)["compile"] == pytest.approx(outcome.seconds["compile"] + 2.5)
+    timed = report.format_summary([outcome.entry], [outcome.seconds]).splitlines()
+    assert timed[0].endswith("s sample/compile/measure/confirm")
+    assert timed[1].endswith("/".join(f"{outcome.seconds[p]:.1f}" for p in search.PHASES))
+    assert report.format_summary([outcome.entry]).splitlines()[0].endswith("tuned program")
 
 
 def test_confirmation_rounds_alternate_their_order():

@@ -443,7 +443,7 @@ def _finish_all(args, arch, gpu, studies, search_first: bool = False) -> int:
         overall.close()
     from .report import format_summary
 
-    print(format_summary([o.entry for o in outcomes]))
+    print(format_summary([o.entry for o in outcomes], [o.seconds for o in outcomes]))
     if path is not None and outcomes:
         print(f"wrote {len(outcomes)} entries to {path}", file=sys.stderr)
     if args.report is not None and outcomes:

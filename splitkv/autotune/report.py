@@ -22,7 +22,8 @@ def write(directory: Path, outcomes, header: dict, sweeps: dict | None = None) -
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     data = dict(header=header, objective=outcomes[0].objective if outcomes else None,
-                studies=[dict(entry=o.entry.to_dict(), confirm=o.confirm, trials=o.trials) for o in outcomes],
+                studies=[dict(entry=o.entry.to_dict(), confirm=o.confirm, trials=o.trials,
+                              seconds={k: round(v, 3) for k, v in o.seconds.items()}) for o in outcomes],
                 sweeps=sweeps or {})
     (directory / "results.json").write_text(json.dumps(data, indent=1, default=str))
     plots = _plots(directory, outcomes, sweeps or {})
@@ -40,7 +41,7 @@ def outcomes_from_storage(entries, table, storage, prefix: str = "") -> tuple[li
     from .keys import code_version, study_name
     from .lookup import COST_MODEL_GPU
     from .measure import GpuObjective
-    from .search import Outcome, _optuna, trial_rows
+    from .search import Outcome, _optuna, study_seconds, trial_rows
 
     optuna = _optuna()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -56,17 +57,26 @@ def outcomes_from_storage(entries, table, storage, prefix: str = "") -> tuple[li
             missing.append(entry)
             continue
         study = optuna.load_study(study_name=found[-1].study_name, storage=storage)
-        outcomes.append(Outcome(entry, trial_rows(study), {}, objective))
+        outcomes.append(Outcome(entry, trial_rows(study), {}, objective, study_seconds(study)))
     return outcomes, missing
 
 
-def format_summary(entries) -> str:
-    """The run's summary table: key, bucket, default µs, tuned µs, speedup, % copy bandwidth, program."""
-    rows = [("key", "bucket", "default µs", "tuned µs", "speedup", "% copy bw", "tuned program")]
-    for e in entries:
-        rows.append((e.key.label, e.bucket.name, f"{e.default_us:.2f}", f"{e.tuned_us:.2f}", f"{e.speedup:.3f}x",
-                     "-" if e.bandwidth_pct is None else f"{e.bandwidth_pct:.1f}",
-                     "built-in" if e.spec is None else e.spec.name))
+def format_summary(entries, seconds=None) -> str:
+    """The run's summary table: key, bucket, default µs, tuned µs, speedup, % copy bandwidth, program,
+    and with ``seconds`` (per entry, phase -> seconds, see `search.study_seconds`) the time the
+    study took per phase."""
+    from .search import PHASES
+
+    timed = seconds is not None and any(seconds)
+    head = ("key", "bucket", "default µs", "tuned µs", "speedup", "% copy bw", "tuned program")
+    rows = [head + ((f"s {'/'.join(PHASES)}",) if timed else ())]
+    for i, e in enumerate(entries):
+        row = (e.key.label, e.bucket.name, f"{e.default_us:.2f}", f"{e.tuned_us:.2f}", f"{e.speedup:.3f}x",
+               "-" if e.bandwidth_pct is None else f"{e.bandwidth_pct:.1f}",
+               "built-in" if e.spec is None else e.spec.name)
+        if timed:
+            row += ("/".join(f"{seconds[i].get(p, 0.0):.1f}" for p in PHASES) if seconds[i] else "-",)
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -75,7 +85,7 @@ def markdown(outcomes, header: dict, plots) -> str:
     lines = [f"# Tuning report: {header['gpu']} ({header['arch']}), {header['date']}", "",
              f"splitkv {header['splitkv']}, CUDA runtime {header['cuda_runtime']}, NVRTC {header['nvrtc']}, "
              f"{header['sm_count']} SMs. Objective: {outcomes[0].objective if outcomes else '-'}.", "",
-             "```", format_summary([o.entry for o in outcomes]), "```", ""]
+             "```", format_summary([o.entry for o in outcomes], [o.seconds for o in outcomes]), "```", ""]
     compared = [o.entry for o in outcomes if o.entry.exhaustive]
     if compared:
         lines += ["## Against exhaustive search of the same space", "",

@@ -24,6 +24,7 @@ default on the figures it was tuned on, and no entry is the noise of one median.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -48,6 +49,43 @@ MARGIN = 0.01
 #: are asked for again, but not forever: a small space runs out of new candidates).
 MAX_ASKS = 8
 _HOST = socket.gethostname()
+#: Prefix of the study attributes holding one process's seconds per phase (see `_Clock`).
+SECONDS_ATTR = "seconds"
+#: The phases, in the order the summary shows them: asking the sampler, compiling candidates,
+#: measuring them (planning, checking against the reference, timing), confirming the winner.
+PHASES = ("sample", "compile", "measure", "confirm")
+
+
+class _Clock:
+    """Seconds this process spends on a study, per phase; `flush` adds them to the study's attribute
+    of this process (one per host and pid, so workers never overwrite each other, and a killed run
+    keeps what it flushed)."""
+
+    def __init__(self, study):
+        self.study = study
+        self.attr = f"{SECONDS_ATTR} {_HOST} {os.getpid()}"
+        self.spent = dict(study.user_attrs.get(self.attr) or {})
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.spent[name] = self.spent.get(name, 0.0) + time.monotonic() - start
+
+    def flush(self) -> None:
+        self.study.set_user_attr(self.attr, {k: round(v, 3) for k, v in self.spent.items()})
+
+
+def study_seconds(study) -> dict:
+    """Seconds spent on ``study`` per phase, summed over every process that worked on it."""
+    total: dict = {}
+    for attr, spent in study.user_attrs.items():
+        if attr.startswith(SECONDS_ATTR + " ") and isinstance(spent, dict):
+            for phase, seconds in spent.items():
+                total[phase] = total.get(phase, 0.0) + float(seconds)
+    return total
 
 
 @dataclasses.dataclass
@@ -58,6 +96,7 @@ class Outcome:
     trials: list  # (spec name, chunk_size, variant, µs or None, state, reason)
     confirm: dict  # spec name (or 'built-in') -> confirmed µs
     objective: str
+    seconds: dict = dataclasses.field(default_factory=dict)  # phase -> seconds spent (`study_seconds`)
 
 
 def _optuna():
@@ -177,6 +216,7 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
     start = time.monotonic()
     measured_here = 0
     fail_interrupted(study)
+    clock = _Clock(study)
     while True:
         known = _Known(study)  # each batch: other workers' figures count too
         left = trials - len(measured(study))
@@ -184,22 +224,28 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
                 or (timeout is not None and time.monotonic() - start > timeout):
             return measured_here
         asked = []
-        for _ in range(min(batch, left)):
-            trial = study.ask()
-            trial.set_user_attr("host", _HOST)
-            trial.set_user_attr("pid", os.getpid())
-            try:
-                spec = space.build_spec(lambda name, values: trial.suggest_categorical(name, values), key, arch)
-            except space.Invalid as e:
-                _tell(study, trial, None, optuna.trial.TrialState.PRUNED, f"invalid: {e}")
-                continue
-            trial.set_user_attr("spec", spec.name)
-            asked.append((trial, spec))
-        failures = objective.prepare([s for _, s in asked if s.name not in known.by_spec])
-        for trial, spec in asked:
-            if _settle(study, trial, spec, objective, known, failures):
-                measured_here += 1
-                _advance(progress)
+        with clock.phase("sample"):
+            for _ in range(min(batch, left)):
+                trial = study.ask()
+                trial.set_user_attr("host", _HOST)
+                trial.set_user_attr("pid", os.getpid())
+                try:
+                    spec = space.build_spec(lambda name, values: trial.suggest_categorical(name, values), key, arch)
+                except space.Invalid as e:
+                    _tell(study, trial, None, optuna.trial.TrialState.PRUNED, f"invalid: {e}")
+                    continue
+                trial.set_user_attr("spec", spec.name)
+                asked.append((trial, spec))
+        try:
+            with clock.phase("compile"):
+                failures = objective.prepare([s for _, s in asked if s.name not in known.by_spec])
+            with clock.phase("measure"):
+                for trial, spec in asked:
+                    if _settle(study, trial, spec, objective, known, failures):
+                        measured_here += 1
+                        _advance(progress)
+        finally:  # a lost context still leaves the time it took
+            clock.flush()
 
 
 class _Known:
@@ -320,6 +366,16 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
     """The study's entry: its best candidates confirmed against the built-in choice (see the module
     notes). With ``exhaustive_results`` (see `exhaustive`), the entry also says how the search
     compares. Raises TrialFailed when the built-in choice itself fails on this bucket."""
+    clock = _Clock(study)
+    with clock.phase("confirm"):
+        outcome = _confirmed(study, key, bucket, arch, objective, top, iters, exhaustive_results)
+    clock.flush()
+    outcome.seconds = study_seconds(study)
+    return outcome
+
+
+def _confirmed(study, key, bucket, arch, objective, top, iters, exhaustive_results) -> Outcome:
+    """`finish` but its clock."""
     # Candidates that launch what the built-in choice launches on this bucket are the built-in
     # choice, measured as None; of several that launch the same, the fastest stands for them.
     builtin_runs = objective.runs(None)

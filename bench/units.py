@@ -8,6 +8,7 @@ benchmark's protocol (CUDA events, cold L2); the host time of planning is shown 
 
     python bench/units.py
     python bench/units.py --cases "6096x1:28:7:128:16" --iters 50
+    python bench/units.py --builtin --cases "4096x32:8:8:64:0"   # the planner alone, no tuned table
 
 A case is ``LENS:HQ:HKV:D:PAGE``, LENS a comma list of ``length`` or ``lengthxcount`` (PAGE 0:
 a contiguous cache). Needs a GPU, CuPy and torch; FlashInfer is optional.
@@ -98,6 +99,9 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--builtin", action="store_true",
+                        help="the built-in programs only (tuned=False): how the planner itself chooses, "
+                             "without a tuned table's programs or routing")
     args = parser.parse_args(argv)
 
     harness = Harness(args.iters, 5, 256 << 20, torch_mod=torch)
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
         out = cupy.empty_like(q)
 
         def timed(**plan_keys):
-            attn = DecodeAttention(*heads, **paged)
+            attn = DecodeAttention(*heads, **paged, tuned=not args.builtin)
             attn.plan(lens, stream=harness.stream, **plan_args, **plan_keys)
             return statistics.median(harness.time(lambda: attn.run(q, k, v, out=out))), attn
 
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
                 f"({uniform}) | {best:.1f} ({best_splits}) | {units_us / best:.3f} | {uniform_us / units_us:.2f}x | "
                 + (f"{fi_us:.1f}" if fi_us else "n/a") + " |")
         lines.append(line)
-        print(line + f"  [{units_attn.plan_info}]", flush=True)
+        print(line + f"  [units: {units_attn.plan_info}] [default: {default_attn.plan_info}]", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

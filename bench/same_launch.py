@@ -1,11 +1,12 @@
 """The tuner's measurement of one launch by its two paths: the built-in choice (what
 ``GpuObjective.measure(None)`` times: ``DecodeAttention(tuned=False)``) and the same programs given
 explicitly as a candidate (``measure(spec)``), in rounds of alternating order. Identical launches
-should measure alike; the H200 table's first run saw the explicit path 1-8% faster at 32 x 4k and
-1 x 2k (BENCHMARKS.md, "Tuned table (H200)").
+should measure alike (on an H200 within 0.4%); given the dense program where the built-in choice
+splits (``64:1:b32-l4k:dense``), the two plans differ and so do the figures (BENCHMARKS.md,
+"Tuned table (H200)").
 
     python bench/same_launch.py                      # the cases of that run
-    python bench/same_launch.py --case 64:1:b32-l4k:dense --rounds 20
+    python bench/same_launch.py --case 64:1:b32-l4k:split --rounds 20
 
 A case is ``HEAD_DIM:GROUP:BUCKET:VARIANT`` (VARIANT: which built-in program to give explicitly,
 the one the bucket's plan launches). Needs a GPU.

@@ -893,14 +893,18 @@ def test_tuning_compiles_with_jobs_given_or_the_cpus_shared_by_the_workers(monke
 
     monkeypatch.setattr(tune_cli.subprocess, "Popen", lambda argv, **kw: started.append(argv) or Exited())
     monkeypatch.setattr(tune_cli, "_count_trials", lambda args, names: 0)
-    for jobs, want in ((None, "16"), (5, "5")):
+    monkeypatch.setattr(tune_cli.tempfile, "mkdtemp", lambda prefix: str(tmp_path))  # the workers' logs
+    for given, want in (([], ["--jobs", "16"]), (["--jobs", "5"], ["--jobs", "5"]), (["--jobs=5"], ["--jobs=5"]),
+                        (["-j", "5"], ["-j", "5"])):
         started.clear()
-        given = [] if jobs is None else ["--jobs", str(jobs)]
-        args = types.SimpleNamespace(argv=["--tune", "--devices", "0,1", *given], jobs=jobs, trials=4)
+        args = cli.build_parser().parse_args(["--arch", "sm90", "--tune", "--devices", "0,1", *given])
+        args.argv = ["--arch", "sm90", "--tune", "--devices", "0,1", *given]
         assert tune_cli._run_workers(args, [0, 1], ["study"]) == 0
         assert len(started) == 2
-        for argv in started:
-            assert "--devices" not in argv and argv.count("--jobs") == 1 and argv[argv.index("--jobs") + 1] == want
+        for argv in started:  # one --jobs each, the user's when given
+            assert "--devices" not in argv and "0,1" not in argv
+            assert [a for a in argv if a.startswith("-j") or a.startswith("--jobs")] == [want[0]]
+            assert argv[argv.index(want[0]):][:len(want)] == want
 
 
 def test_worker_command_lines_drop_devices():
@@ -1162,6 +1166,38 @@ def test_a_study_keeps_the_seconds_each_phase_took():
     assert timed[0].endswith("s sample/compile/measure/confirm")
     assert timed[1].endswith("/".join(f"{outcome.seconds[p]:.1f}" for p in search.PHASES))
     assert report.format_summary([outcome.entry]).splitlines()[0].endswith("tuned program")
+
+
+def test_recording_the_seconds_never_hides_the_error_that_ended_the_phase():
+    """A storage that refuses the seconds gives a warning, so a lost GPU context raised inside a
+    timed phase reaches the caller as itself; a confirmation that fails still records its time."""
+    pytest.importorskip("optuna")
+
+    class Refusing:
+        user_attrs: dict = {}
+
+        def set_user_attr(self, name, value):
+            raise OSError("disk full")
+
+    clock = search._Clock(Refusing())
+    with pytest.warns(RuntimeWarning, match="disk full"), pytest.raises(objective.ContextLost):
+        try:
+            with clock.phase("measure"):
+                raise objective.ContextLost("illegal address")
+        finally:
+            clock.flush()
+
+    class BuiltinFails(Recording):
+        def measure(self, spec, iters=None):
+            if spec is None and self.measured:  # the built-in choice fails when confirmed
+                raise objective.TrialFailed("mismatch")
+            return super().measure(spec, iters)
+
+    study, obj = memory_study(), BuiltinFails(bucket="b1-l2k")
+    search.run_trials(study, KEY, ARCH, obj, trials=4)
+    with pytest.raises(objective.TrialFailed):
+        search.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
+    assert "confirm" in search.study_seconds(study)
 
 
 def test_confirmation_rounds_alternate_their_order():

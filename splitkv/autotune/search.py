@@ -52,7 +52,8 @@ _HOST = socket.gethostname()
 #: Prefix of the study attributes holding one process's seconds per phase (see `_Clock`).
 SECONDS_ATTR = "seconds"
 #: The phases, in the order the summary shows them: asking the sampler, compiling candidates,
-#: measuring them (planning, checking against the reference, timing), confirming the winner.
+#: measuring them (planning, checking against the reference, timing), confirming the winner. Not
+#: counted: building the study's inputs, the storage reads between batches, `exhaustive`.
 PHASES = ("sample", "compile", "measure", "confirm")
 
 
@@ -75,7 +76,13 @@ class _Clock:
             self.spent[name] = self.spent.get(name, 0.0) + time.monotonic() - start
 
     def flush(self) -> None:
-        self.study.set_user_attr(self.attr, {k: round(v, 3) for k, v in self.spent.items()})
+        """Write the seconds; a storage that refuses is warned about, never raised, so that a
+        flush on the way out of a failure (a lost GPU context) cannot replace that failure."""
+        try:
+            self.study.set_user_attr(self.attr, {k: round(v, 3) for k, v in self.spent.items()})
+        except Exception as e:  # noqa: BLE001 - the figures are a report, the run's own error matters more
+            warnings.warn(f"splitkv: could not record the study's seconds: {type(e).__name__}: {e}",
+                          RuntimeWarning, stacklevel=2)
 
 
 def study_seconds(study) -> dict:
@@ -367,9 +374,11 @@ def finish(study, key: TuneKey, bucket: Bucket, arch: str, objective: Objective,
     notes). With ``exhaustive_results`` (see `exhaustive`), the entry also says how the search
     compares. Raises TrialFailed when the built-in choice itself fails on this bucket."""
     clock = _Clock(study)
-    with clock.phase("confirm"):
-        outcome = _confirmed(study, key, bucket, arch, objective, top, iters, exhaustive_results)
-    clock.flush()
+    try:
+        with clock.phase("confirm"):
+            outcome = _confirmed(study, key, bucket, arch, objective, top, iters, exhaustive_results)
+    finally:  # a failed confirmation still took its time
+        clock.flush()
     outcome.seconds = study_seconds(study)
     return outcome
 

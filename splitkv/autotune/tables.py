@@ -69,7 +69,8 @@ class Entry:
     date: str = ""
     exhaustive: dict | None = None
     plan: str | None = None  # how the winner planned the bucket's shape (`DecodeAttention.plan_info`)
-    # What the built-in choice launched on the bucket, for a tuned entry: a winner must launch
+    # What the built-in choice launched on the bucket, for a tuned entry (`Objective.runs`: the
+    # plan, programs named, on a GPU; the program's name for the cost model): a winner must launch
     # something else (the same plan would be the built-in choice measured twice).
     default_plan: str | None = None
 

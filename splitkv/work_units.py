@@ -181,11 +181,13 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
     heads each, on ``slots`` resident CTAs (SMs x CTAs per SM), in blocks of ``block_size`` tokens.
 
     Every row (sequence, K/V head) is one unit unless the units leave a partial wave (their count is
-    no multiple of ``slots``) and are fewer than `SPLIT_WAVES` waves. Then the candidates are (see
-    `_candidates`) the ``count mod slots`` most expensive rows split k ways, every row split k ways,
-    and every row split in proportion to its length; each row into near-equal block ranges. The
-    candidate of the lowest predicted makespan (LPT over the units' costs, plus the merge) is kept
-    when it beats the unsplit plan by more than ``costs.threshold``.
+    no multiple of ``slots``) and are fewer than `SPLIT_WAVES` waves, or one row costs more than a
+    slot's average load (`_skewed`: a long row among short ones, whatever their count). Then the
+    candidates are (see `_candidates`) every row split in proportion to its length and, for a
+    partial wave, the ``count mod slots`` most expensive rows split k ways and every row split k
+    ways; each row into near-equal block ranges. The candidate of the lowest predicted makespan
+    (LPT over the units' costs, plus the merge) is kept when it beats the unsplit plan by more than
+    ``costs.threshold``.
     """
     lens = _check_lens(seq_lens).astype(np.int64)
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
@@ -199,14 +201,15 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
     unsplit_costs = row_tokens + costs.unit_overhead
     ways = np.ones(rows, dtype=np.int64)
     unsplit = best = None
-    if rows % slots and rows < SPLIT_WAVES * slots:
+    partial_wave = bool(rows % slots) and rows < SPLIT_WAVES * slots
+    if partial_wave or _skewed(unsplit_costs, slots, costs):
         unsplit = lpt_makespan(unsplit_costs, slots)
         # A split plan is kept only below this, so the search starts from it: candidates bounded
         # above it are never simulated, and the simulations stop as soon as they reach it.
         best = unsplit * (1 - costs.threshold)
         # The LPT simulation only for candidates whose lower bound still beats the best so far, in
         # the order of their bounds: the best plan usually packs close to its bound, so few run.
-        candidates = _candidates(row_tokens, row_blocks, slots, costs)
+        candidates = _candidates(row_tokens, row_blocks, slots, costs, partial_wave)
         bounds = _lower_bounds(row_tokens, row_blocks, candidates, block_size, slots, costs)
         for i in np.argsort(bounds, kind="stable"):
             if bounds[i] >= best:
@@ -227,20 +230,34 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
 PROPORTIONAL_TARGETS = (1.0, 1.5, 2.0, 3.0)
 
 
-def _candidates(row_tokens, row_blocks, slots, costs) -> np.ndarray:
+def _skewed(unsplit_costs, slots: int, costs: CostModel) -> bool:
+    """True when the costliest row alone exceeds a slot's average load by more than the threshold:
+    however the rows fill the waves, it ends the call late, and only splitting it helps."""
+    if unsplit_costs.size == 0:
+        return False
+    return float(unsplit_costs.max()) > (1 + costs.threshold) * float(unsplit_costs.sum()) / slots
+
+
+def _candidates(row_tokens, row_blocks, slots, costs, partial_wave: bool = True) -> np.ndarray:
     """Ways to split each row, one row of the result per candidate (at most one piece per block,
     no two alike, each splitting some row):
-    - the ``rows mod slots`` longest rows (every row, below a wave of rows) k ways, for k from 2 to
-      ``costs.max_ways`` (below a wave of rows, to as many ways as fill the slots);
-    - every row in pieces of about `PROPORTIONAL_TARGETS` times a slot's average load."""
+    - every row in pieces of about `PROPORTIONAL_TARGETS` times a slot's average load;
+    - for a ``partial_wave``, the ``rows mod slots`` longest rows (every row, below a wave of rows)
+      k ways, for k from 2 to ``costs.max_ways`` (below a wave of rows, to as many ways as fill
+      the slots)."""
     rows = row_tokens.size
-    chosen = np.argsort(-row_tokens, kind="stable")[: rows % slots]
-    ks = np.arange(2, max(costs.max_ways, slots // rows) + 1)
-    by_k = np.ones((ks.size, rows), dtype=np.int64)
-    by_k[:, chosen] = ks[:, None]
     average = float((row_tokens + costs.unit_overhead).sum()) / slots
-    targets = average * np.asarray(PROPORTIONAL_TARGETS)[:, None]
-    proportional = np.maximum(np.ceil(row_tokens[None, :] / targets), 1).astype(np.int64)
+    if average > 0:
+        targets = average * np.asarray(PROPORTIONAL_TARGETS)[:, None]
+        proportional = np.maximum(np.ceil(row_tokens[None, :] / targets), 1).astype(np.int64)
+    else:  # nothing to stream: nothing to split
+        proportional = np.ones((1, rows), dtype=np.int64)
+    by_k = np.ones((0, rows), dtype=np.int64)
+    if partial_wave:
+        chosen = np.argsort(-row_tokens, kind="stable")[: rows % slots]
+        ks = np.arange(2, max(costs.max_ways, slots // rows) + 1)
+        by_k = np.ones((ks.size, rows), dtype=np.int64)
+        by_k[:, chosen] = ks[:, None]
     ways = np.minimum(np.concatenate([by_k, proportional]), np.maximum(row_blocks, 1))
     first_of_kind = {row.tobytes(): i for i, row in reversed(list(enumerate(ways)))}  # np.unique(axis=0) is slow
     keep = np.zeros(len(ways), dtype=bool)
@@ -259,14 +276,14 @@ def _lower_bounds(row_tokens, row_blocks, ways, block_size, slots, costs) -> np.
 
 def max_units(max_rows: int, slots: int, costs: CostModel | None = None) -> int:
     """The most units a plan of at most ``max_rows`` rows (sequences x K/V heads) can have on
-    ``slots`` slots: rows stay whole from `SPLIT_WAVES` waves on; below, a candidate splits at most
-    every row ``max(max_ways, slots // rows)`` ways (at most ``max_ways`` rows' worth or ``slots``
-    pieces), or in proportion to the rows' lengths (at most ``slots + rows`` pieces, since no row is
-    longer than the total). Merges number at most the rows."""
+    ``slots`` slots: a partial wave below `SPLIT_WAVES` waves may split every row
+    ``max(max_ways, slots // rows)`` ways (at most ``max_ways`` rows' worth or ``slots`` pieces);
+    any plan may split its rows in proportion to their lengths (at most ``rows + slots`` pieces:
+    the pieces average at least a slot's load over the slots). Merges number at most the rows."""
     max_rows, slots = _positive_int("max_rows", max_rows), _positive_int("slots", slots)
     costs = costs if costs is not None else CostModel()
     searched = min(max_rows, SPLIT_WAVES * slots - 1)
-    return max(max_rows, searched * costs.max_ways, slots, slots + searched)
+    return max(max_rows + slots, searched * costs.max_ways, slots)
 
 
 def predicted_makespan(plan: UnitPlan, seq_lens, costs: CostModel | None = None) -> float:
@@ -280,9 +297,12 @@ def predicted_makespan(plan: UnitPlan, seq_lens, costs: CostModel | None = None)
 def unit_tokens(plan: UnitPlan, seq_lens) -> np.ndarray:
     """Tokens each unit of ``plan`` streams for these lengths (its blocks, the last one cut at the length)."""
     lens = _check_lens(seq_lens).astype(np.int64)
+    sequences = plan.column("sequence")
+    if sequences.size and int(sequences.max()) >= lens.size:
+        raise ValueError(f"seq_lens: {lens.size} lengths, but the plan covers {int(sequences.max()) + 1} sequences")
     first = plan.column("first_block").astype(np.int64) * plan.block_size
     end = np.minimum(first + plan.column("num_blocks").astype(np.int64) * plan.block_size,
-                     lens[plan.column("sequence")])
+                     lens[sequences])
     return np.maximum(end - first, 0)
 
 

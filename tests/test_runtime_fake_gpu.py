@@ -456,8 +456,11 @@ def test_the_default_planner_routes_a_long_row_among_many_short_ones_to_units(fa
     from splitkv.work_units import UnitPlan
 
     attn = DecodeAttention(32, 8, 128, q_dtype="fp16", kv_dtype="fp16")
-    plan = attn.plan([65536] + [512] * 63)  # split planner: dense, the long row on one CTA
-    assert isinstance(plan, UnitPlan) and plan.split and attn._launch.spec.variant == "units"
+    # Split planner: dense, the long row on one CTA; also where the rows fill whole waves (33 x 8
+    # rows on 132 slots), which the units planner once left unsplit.
+    for lens in ([65536] + [512] * 63, [65536] + [512] * 32):
+        plan = attn.plan(lens)
+        assert isinstance(plan, UnitPlan) and plan.split and attn._launch.spec.variant == "units", attn.plan_info
     for lens in ([65536], [131072], [4096] * 16, [1024] * 64, [3000, 5, 0, 16384]):
         plan = attn.plan(lens)  # whole-row clusters, waves of dense rows, modest skew: the split planner
         assert not isinstance(plan, UnitPlan), (lens, attn.plan_info)

@@ -204,12 +204,17 @@ def test_the_pruned_search_finds_the_best_candidate_simulated_in_full(problem):
     heads, slots, block = problem["num_kv_heads"], problem["slots"], problem["block_size"]
     row_tokens = np.repeat(np.asarray(problem["seq_lens"], dtype=np.int64), heads)
     row_blocks = -(-row_tokens // block)
-    if row_tokens.size % slots == 0 or row_tokens.size >= SPLIT_WAVES * slots:
+    row_costs = row_tokens + costs.unit_overhead
+    partial_wave = row_tokens.size % slots != 0 and row_tokens.size < SPLIT_WAVES * slots
+    # A row above a slot's average load (plus the threshold) is searched whatever the waves.
+    skewed = row_costs.size > 0 and row_costs.max() > (1 + costs.threshold) * row_costs.sum() / slots
+    if not (partial_wave or skewed):
         assert not plan.split
         return
-    unsplit = lpt_makespan(row_tokens + costs.unit_overhead, slots)
+    unsplit = lpt_makespan(row_costs, slots)
     full = [lpt_makespan(_pieces(row_tokens, row_blocks, ways, block).tokens + costs.unit_overhead, slots)
-            + float(_merge_cost(_partials(ways), slots, costs)) for ways in _candidates(row_tokens, row_blocks, slots, costs)]
+            + float(_merge_cost(_partials(ways), slots, costs))
+            for ways in _candidates(row_tokens, row_blocks, slots, costs, partial_wave)]
     best = min(full, default=unsplit)
     if best < unsplit * (1 - costs.threshold):
         assert plan.split and plan.makespan == pytest.approx(best)
@@ -228,3 +233,37 @@ def test_routing_is_skipped_only_where_units_could_not_win(problem, per_split, d
         return
     units = choose_kv_splits(**problem)
     assert split_plan_makespan(lens, heads, per_split, slots) <= ROUTE_FACTOR * predicted_makespan(units, lens)
+
+
+@pytest.mark.parametrize("lens, heads, slots", [
+    ([65536] + [512] * 32, 8, 264),       # 264 rows: whole waves, one long request among short ones
+    ([65536] + [512] * 31, 8, 132),       # 256 rows: whole waves on 132 slots
+    ([1_000_000] + [16] * 1000, 1, 132),  # more than SPLIT_WAVES waves
+])
+def test_a_long_row_among_whole_waves_of_short_ones_is_split(lens, heads, slots):
+    """However the rows fill the waves, a row longer than a slot's average load is split, and the
+    runtime's router then takes the units (the split planner's dense plan leaves it to one CTA)."""
+    from splitkv.work_units import ROUTE_FACTOR, max_units, split_plan_makespan
+
+    plan = choose_kv_splits(lens, heads, block_size=256, slots=slots)
+    assert plan.split and plan.makespan < plan.unsplit_makespan / 4
+    assert len(plan.units) <= max_units(len(lens) * heads, slots)
+    tokens = unit_tokens(plan, lens)
+    assert tokens.sum() == sum(lens) * heads  # every token once
+    dense = split_plan_makespan(lens, heads, max(lens), slots)
+    assert dense > ROUTE_FACTOR * predicted_makespan(plan, lens)
+
+
+def test_balanced_whole_waves_stay_unsplit_and_bad_lengths_are_named():
+    """Rows of equal length in whole waves are not searched; a plan given lengths of fewer sequences
+    than it covers says so; an empty batch with no per-unit overhead plans without a warning."""
+    import warnings
+
+    plan = choose_kv_splits([4096] * 33, 8, block_size=128, slots=264)
+    assert not plan.split and plan.unsplit_makespan is None
+    with pytest.raises(ValueError, match="seq_lens: 1 lengths, but the plan covers 2 sequences"):
+        unit_tokens(choose_kv_splits([100, 200], 1, block_size=64, slots=132), [100])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        empty = choose_kv_splits([0, 0, 0], 1, block_size=16, slots=4, costs=CostModel(unit_overhead=0))
+    assert not empty.split

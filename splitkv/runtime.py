@@ -28,7 +28,7 @@ from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clus
 from .quantize import QuantizedKV
 from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
                    wants_packed_heads, whole_row_ctas)
-from .spec import KV_LAYOUTS, PAGE_SIZES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS, UnitPlan, choose_kv_splits,
                          may_route_to_units, predicted_makespan, split_plan_makespan)
@@ -125,6 +125,9 @@ class DecodeAttention:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         sm_scale = _checked_sm_scale(sm_scale)
+        for name, value, allowed in (("q_dtype", q_dtype, Q_DTYPES), ("kv_dtype", kv_dtype, KV_DTYPES)):
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
         if page_size is not None and (isinstance(page_size, bool) or page_size not in PAGE_SIZES):
             raise ValueError(f"page_size: expected None (contiguous caches) or a power of two from 1 to "
                              f"{PAGE_SIZES[-1]}, got {page_size!r}")
@@ -167,6 +170,7 @@ class DecodeAttention:
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
+        self._extents: tuple = ()  # bytes each run() array spans, for the validated layout
         self._cluster_fit: dict[int, int | None] = {}
         self._workspace: dict[str, object] = {}
         self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
@@ -184,7 +188,8 @@ class DecodeAttention:
         rewritten in place may grow up to it between CUDA-graph replays (such a plan is never a
         units plan, whose units cover the planned lengths only). A plan() that raises leaves the
         previous plan, and every buffer it reads, as it was. ``variant`` (and
-        ``num_splits`` for 'split') override the planner's choice, for tests, benchmarks and tuning;
+        ``num_splits`` for 'split'; other variants ignore it) override the planner's choice, for
+        tests, benchmarks and tuning;
         ``warp_heads`` True or False overrides whether a dense plan's warps get a K/V head each
         (None: the planner's choice, ``plan.wants_packed_heads``, which applies to a dense plan
         asked for through ``variant`` too).
@@ -551,7 +556,10 @@ class DecodeAttention:
             for producer in self._validate(arrays):
                 streams.wait_for_producer(producer, launch_stream, self._producer_events)
             self._validated_layout = None if None in layout else layout
-        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(_data_ptr(x)) for x in arrays)
+            self._extents = tuple(_nbytes(x) for x in arrays)  # the layout's: as long as it stands
+        pointers = tuple(_data_ptr(x) for x in arrays)
+        _check_outputs_apart(pointers, self._extents)
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(p) for p in pointers)
         quantized_args = _quantized_args(k, v)
 
         plan, spec, table = launch.plan, launch.spec, launch.table
@@ -665,6 +673,9 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
     paging = block_table is not None
+    if kv_layout != "NHD" and not paging:  # a contiguous cache is [B, L, Hkv, D]: NHD only
+        raise ValueError(f"kv_layout: {kv_layout!r} is a page layout and needs a block_table; a contiguous "
+                         f"cache [B, L_max, Hkv, D] is read as 'NHD'")
     ki = tensors.describe_kv(k, "k", kv_layout if paging else "NHD")
     vi = tensors.describe_kv(v, "v", kv_layout if paging else "NHD")
     shapes = tensors.check_decode_inputs(qi, ki, vi, kv_layout=kv_layout if paging else None)
@@ -736,6 +747,9 @@ def _checked_sm_scale(sm_scale) -> float | None:
     value = float(sm_scale)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
+    float32 = np.finfo(np.float32)  # the programs get value x log2(e) as a float32
+    if not float(float32.tiny) <= value * _LOG2E <= float(float32.max):
+        raise ValueError(f"sm_scale: {sm_scale!r} x log2(e) is outside the normal float32 range the programs take")
     return value
 
 
@@ -790,6 +804,43 @@ def _kv_shape(k) -> tuple:
 def _pointers(arrays) -> tuple:
     """The device pointers of plan-owned CuPy arrays as launch arguments (0 for None)."""
     return tuple(np.uint64(a.data.ptr if a is not None else 0) for a in arrays)
+
+
+def _nbytes(x) -> int:
+    """Bytes an array spans (contiguous, as validated); a quantized cache's values; 0 for None."""
+    if x is None:
+        return 0
+    if isinstance(x, QuantizedKV):
+        return _nbytes(x.values)
+    module = type(x).__module__
+    if module.startswith("torch"):
+        return x.numel() * x.element_size()
+    if module.startswith("cupy"):
+        return x.nbytes
+    info = tensors.describe(x, "array")
+    return math.prod(info.shape) * np.dtype(_interface_typestr(x)).itemsize
+
+
+def _interface_typestr(x) -> str:
+    typestr = x.__cuda_array_interface__["typestr"] if hasattr(x, "__cuda_array_interface__") else "<u1"
+    return "<u2" if typestr[1:] == "V2" else typestr
+
+
+_OUTPUTS, _NAMES = (3, 4), ("q", "k", "v", "out", "lse")
+
+
+def _check_outputs_apart(pointers: tuple, extents: tuple) -> None:
+    """out and lse share no byte with q, k, v or each other: the programs write them while other
+    CTAs still read the inputs. ValueError naming the two otherwise."""
+    for i in _OUTPUTS:
+        start, end = pointers[i], pointers[i] + extents[i]
+        if extents[i] == 0:
+            continue
+        for j in range(len(pointers)):
+            if j != i and extents[j] and not (j in _OUTPUTS and j < i) \
+                    and start < pointers[j] + extents[j] and pointers[j] < end:
+                raise ValueError(f"{_NAMES[i]}: overlaps {_NAMES[j]} in memory; the results must go to "
+                                 f"a buffer of their own")
 
 
 def _data_ptr(x) -> int:

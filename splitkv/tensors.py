@@ -145,6 +145,8 @@ def _describe_cai(cai: dict, name: str, bf16_from_uint16: bool) -> TensorInfo:
 
 def _typestr_dtype(typestr: str, name: str) -> np.dtype:
     # '<V2' is the only way a __cuda_array_interface__ can say bfloat16 (it has no bf16 code).
+    if typestr[:1] == ">" and typestr[1:] not in ("b1", "i1", "u1"):  # one-byte types have no order
+        raise TypeError(f"{name}: big-endian data (typestr {typestr!r}); the programs read little-endian values")
     if typestr[1:] == "V2":
         return _bfloat16_dtype()
     try:
@@ -503,7 +505,14 @@ def _check_lse(lse: TensorInfo, q: TensorInfo) -> None:
     if not lse.is_contiguous:
         raise ValueError(f"lse: expected contiguous strides {_contiguous_strides(lse.shape)} (in "
                          f"elements), got {lse.strides}")
+    _check_element_aligned(lse, "lse", 4)
     _check_same_device(lse, "lse", q)
+
+
+def _check_element_aligned(info: TensorInfo, name: str, size: int) -> None:
+    # CuPy and torch allocations always are; a bare __cuda_array_interface__ may point anywhere.
+    if info.ptr % size:
+        raise ValueError(f"{name}: expected a data pointer aligned to its {size}-byte elements, got {info.ptr:#x}")
 
 
 def _check_layout(info: TensorInfo, name: str) -> None:
@@ -551,6 +560,7 @@ def check_block_table_info(info: TensorInfo, batch: int) -> None:
     if info.dtype != "int32" or info.ndim != 2 or info.shape[0] != batch or not info.is_contiguous:
         raise ValueError(f"block_table: expected a contiguous int32 [{batch}, max_pages_per_seq] array, "
                          f"got {info.dtype} {info.shape}")
+    _check_element_aligned(info, "block_table", 4)
 
 
 def check_seq_lens(seq_lens: Any, batch: int, max_len: int | None) -> np.ndarray | None:
@@ -589,6 +599,7 @@ def _check_device_seq_lens(info: TensorInfo, batch: int) -> None:
         raise ValueError(f"seq_lens: expected shape ({batch},) [batch], got {info.shape}")
     if not info.is_contiguous:
         raise ValueError(f"seq_lens: expected contiguous strides (1,), got {info.strides}")
+    _check_element_aligned(info, "seq_lens", 4)
 
 
 _INT32_MAX = 2**31 - 1

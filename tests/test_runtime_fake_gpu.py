@@ -16,7 +16,15 @@ from splitkv import runtime, streams, tensors
 from splitkv.heuristics import default_spec
 from tests.test_inputs import FakeCAI
 
-_addresses = itertools.count(0x7E00_0000_0000, 1 << 24)
+_next_address = [0x7E00_0000_0000]
+
+
+def _allocate(nbytes: int) -> int:
+    """A fresh device address for ``nbytes``: allocations never overlap (the runtime checks that
+    its outputs do not overlap its inputs), each 16 MiB-aligned as a pool's large blocks are."""
+    address = _next_address[0]
+    _next_address[0] += -(-max(int(nbytes), 1) // (1 << 24)) * (1 << 24)
+    return address
 
 
 class _DeviceArray(FakeCAI):
@@ -24,7 +32,7 @@ class _DeviceArray(FakeCAI):
     and (for lengths) the values a read-back returns."""
 
     def __init__(self, shape, typestr="<f2", values=None):
-        super().__init__(shape, typestr, ptr=next(_addresses))
+        super().__init__(shape, typestr, ptr=_allocate(int(np.prod(shape)) * np.dtype(typestr).itemsize))
         self.shape = tuple(shape)
         self.host = None if values is None else np.asarray(values, dtype=np.int32)
 
@@ -37,7 +45,7 @@ class _Buffer:
 
     def __init__(self, size, dtype):
         self.size, self.host = size, np.zeros(size, dtype)
-        self.data = types.SimpleNamespace(ptr=next(_addresses))
+        self.data = types.SimpleNamespace(ptr=_allocate(self.host.nbytes))
 
     def __getitem__(self, _):
         return self
@@ -545,3 +553,74 @@ def test_a_units_plan_of_an_empty_cache_maps_a_stand_in_tile(fake_gpu):
     attn.run(*_qkv(2, 32, 8, 128, 0))
     stand_in = attn._launch.empty_kv_ptr
     assert attn._launch.spec.kv_copy == "tma" and stand_in and {ptr for ptr, *_ in fake_gpu.maps} == {stand_in}
+
+
+def test_run_refuses_results_that_overlap_the_inputs_every_call(fake_gpu):
+    """out and lse are written while other CTAs read q, k and v: a result overlapping any of them,
+    or the two overlapping each other, is refused (also on the fast path of a validated layout,
+    where only the pointers are read)."""
+    q, k, v = _qkv(2, 8, 2, 128, 1024)
+    attn = runtime.DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16", tuned=False)
+    attn.plan([5, 700])
+    out, lse = _DeviceArray(q.shape), _DeviceArray((2, 8), "<f4")
+    attn.run(q, k, v, out=out, lse=lse)  # apart: runs, and the layout is now validated
+    launched = len(fake_gpu.launches)
+    for bad, name in ((FakeCAI(q.shape, ptr=_ptr(k) + 4096), "out: overlaps k"),
+                      (FakeCAI(q.shape, ptr=_ptr(q)), "out: overlaps q"),
+                      (FakeCAI(q.shape, ptr=_ptr(v) + _nbytes(v) - 16), "out: overlaps v")):
+        with pytest.raises(ValueError, match=name):
+            attn.run(q, k, v, out=bad, lse=lse)
+    with pytest.raises(ValueError, match="out: overlaps lse"):
+        attn.run(q, k, v, out=out, lse=FakeCAI((2, 8), "<f4", ptr=_ptr(out) + 64))
+    assert len(fake_gpu.launches) == launched  # nothing launched for them
+    neighbour = FakeCAI(q.shape, ptr=_ptr(v) + _nbytes(v))  # right after v: apart
+    attn.run(q, k, v, out=neighbour, lse=lse)
+    assert len(fake_gpu.launches) == launched + 1
+
+
+def _ptr(x) -> int:
+    return x.__cuda_array_interface__["data"][0]
+
+
+def _nbytes(x) -> int:
+    cai = x.__cuda_array_interface__
+    return int(np.prod(cai["shape"])) * np.dtype(cai["typestr"]).itemsize
+
+
+def test_unaligned_lse_lengths_and_tables_and_big_endian_data_are_refused():
+    """Pointers of 4-byte elements off their alignment (a bare interface may point anywhere) and
+    big-endian data are refused by name before anything reads them."""
+    q = tensors.describe(FakeCAI((2, 8, 128)), "q")
+    with pytest.raises(ValueError, match="lse: expected a data pointer aligned to its 4-byte elements"):
+        tensors.check_decode_inputs(q, tensors.describe(FakeCAI((2, 1024, 2, 128)), "k"),
+                                    tensors.describe(FakeCAI((2, 1024, 2, 128)), "v"),
+                                    lse=tensors.describe(FakeCAI((2, 8), "<f4", ptr=0x7000_0002), "lse"))
+    with pytest.raises(ValueError, match="seq_lens: expected a data pointer aligned"):
+        tensors.check_seq_lens(FakeCAI((2,), "<i4", ptr=0x7000_0002), 2, 1024)
+    with pytest.raises(ValueError, match="block_table: expected a data pointer aligned"):
+        tensors.check_block_table_info(tensors.describe(FakeCAI((2, 4), "<i4", ptr=0x7000_0006), "block_table"), 2)
+    for typestr in (">f2", ">V2", ">i4"):
+        with pytest.raises(TypeError, match="big-endian"):
+            tensors.describe(FakeCAI((2, 8, 128), typestr), "q")
+
+
+def test_bad_arguments_are_named_before_the_device_is_touched(fake_gpu, monkeypatch):
+    """Unknown dtypes name their argument (no KeyError from deep inside, no device query first); a
+    scale the programs would get as inf or 0 in float32 is refused; decode() with the 'HND' page
+    layout but no block table is refused rather than read as 'NHD'."""
+    import cupy
+
+    def no_device(*args, **kwargs):
+        raise AssertionError("the device was queried before the arguments were checked")
+
+    monkeypatch.setattr(cupy.cuda, "Device", no_device)
+    for kwargs, message in ((dict(q_dtype="fp32"), "q_dtype: expected one of"),
+                            (dict(kv_dtype="int8"), "kv_dtype: expected one of"),
+                            (dict(sm_scale=1e39), "sm_scale: 1e\\+39 x log2\\(e\\) is outside"),
+                            (dict(sm_scale=1e-50), "sm_scale: 1e-50 x log2\\(e\\) is outside")):
+        with pytest.raises(ValueError, match=message):
+            runtime.DecodeAttention(32, 8, 128, **kwargs)
+    monkeypatch.undo()
+    q, k, v = _qkv(2, 8, 2, 128, 1024)
+    with pytest.raises(ValueError, match="kv_layout: 'HND' is a page layout and needs a block_table"):
+        runtime.decode(q, k, v, [5, 7], kv_layout="HND")

@@ -62,6 +62,14 @@ def test_partial_wave_batches_split_and_merge(lens, num_kv):
     run_units(lens, num_kv, expect_split=True)
 
 
+def test_a_long_row_among_whole_waves_of_short_ones_is_split():
+    """33 sequences x 8 K/V heads fill whole waves of two CTAs per SM: the 64k rows are split all
+    the same (and the default planner takes the units), matching the reference."""
+    attn, _ = run_units([65536] + [512] * 32, 8, expect_split=True)
+    attn.plan([65536] + [512] * 32)
+    assert attn._launch.spec.variant == "units", attn.plan_info
+
+
 def test_batches_of_many_waves_stay_whole_and_match_dense():
     rng = _rng("units many waves")
     run_units(rng.integers(0, 600, size=160).tolist(), 8, expect_split=False)

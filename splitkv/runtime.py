@@ -246,9 +246,10 @@ class DecodeAttention:
             # plan for the longest one allowed. Host lengths are copied here and cannot grow.
             host_lens = lens.copy()
             host_lens[int(np.argmax(host_lens))] = int(max_len)
-        if self._tuned is not None and self._use_tuned(batch * self.num_kv_heads, int(host_lens.max(initial=0))) \
-                and variant is None:
-            variant = "dense"  # the tuned program is dense, and the rows fill the GPU: no split was faster
+        # The tuned program is dense, and the rows fill the GPU: no split was faster (on the
+        # bucket's equal lengths; a long row among short ones still goes to the units below).
+        forced_dense = self._tuned is not None and \
+            self._use_tuned(batch * self.num_kv_heads, int(host_lens.max(initial=0))) and variant is None
         may_grow = host_lens is not lens
         if variant == "units":
             if num_splits is not None or warp_heads:
@@ -267,8 +268,11 @@ class DecodeAttention:
         _, split_compiled = load_kernel(self.split_spec)
         ctas_per_sm = resident_ctas_per_sm(self.split_spec, split_compiled.registers)
         if variant is None:
-            plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
-                               num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
+            if forced_dense:
+                plan = fixed_plan(host_lens, self.num_kv_heads, variant="dense", chunk_size=self.split_spec.chunk_size)
+            else:
+                plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
+                                   num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
             unit_plan = None if may_grow else self._units_pay(plan, host_lens, ctas_per_sm)
             if unit_plan is not None:
                 return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)

@@ -446,6 +446,19 @@ def test_runtime_launches_the_tuned_dense_program(fake_gpu):
     assert _shape(launched) == _shape(default_spec(ARCH, 128, 4))
 
 
+def test_a_tuned_dense_program_leaves_a_long_row_among_short_ones_to_the_units(fake_gpu):
+    """The table's dense program serves the bucket's equal rows; a batch nearest it whose one long
+    row would end the call alone on a CTA (64k among 32 of 512, 8 K/V heads) is routed to the
+    units as the built-in planner routes it."""
+    from splitkv.work_units import UnitPlan
+
+    _runtime_table(fake_gpu)
+    attn = splitkv.DecodeAttention(32, 8, 128)
+    plan = attn.plan([65536] + [512] * 32)
+    assert attn.tuned_entry.bucket.name == "b32-l4k" and attn.tuned_entry.spec == TUNED_DENSE
+    assert isinstance(plan, UnitPlan) and plan.split and attn._launch.spec.variant == "units", attn.plan_info
+
+
 def test_the_builtin_choice_and_its_programs_given_launch_alike(fake_gpu):
     """The tuner measures the built-in choice as DecodeAttention(tuned=False) and candidates with
     their programs given: for the built-in programs both launch the same program on the same grid,

@@ -557,10 +557,10 @@ class DecodeAttention:
         if None in layout or layout != self._validated_layout:
             # Arrays known only by their interface are validated on every call, and their
             # producers' streams (the interface's 'stream') waited for.
-            for producer in self._validate(arrays):
+            producers, self._extents = self._validate(arrays)  # the extents hold while the layout does
+            for producer in producers:
                 streams.wait_for_producer(producer, launch_stream, self._producer_events)
             self._validated_layout = None if None in layout else layout
-            self._extents = tuple(_nbytes(x) for x in arrays)  # the layout's: as long as it stands
         pointers = tuple(_data_ptr(x) for x in arrays)
         _check_outputs_apart(pointers, self._extents)
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = (np.uint64(p) for p in pointers)
@@ -610,20 +610,26 @@ class DecodeAttention:
                  np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split),
                  np.int32(cache_len)))
 
-    def _validate(self, arrays) -> list:
-        """Checks the run's arrays; returns the streams their producers named (interface 'stream')."""
+    def _validate(self, arrays) -> tuple[list, tuple]:
+        """Checks the run's arrays; returns the streams their producers named (interface 'stream')
+        and the bytes each array spans (a quantized cache: its values; None: 0)."""
         q, k, v, out, lse = arrays
         scale_infos = []  # a quantized cache's scales are read on this device too, once their producers are done
+        extents = []
 
         def describe(x, name):
             if name not in ("k", "v") or not isinstance(x, QuantizedKV):
-                return tensors.describe(x, name, bf16_from_uint16=True)
+                info = tensors.describe(x, name, bf16_from_uint16=True)
+                extents.append(info.nbytes)
+                return info
             parts = tensors.describe_quantized(x, name, self.kv_layout if self.page_size else "NHD")
             scale_infos.extend([(f"{name}.block_scales", parts.block_scales), (f"{name}.scale", parts.scale)])
+            extents.append(parts.values.nbytes)
             return tensors.quantized_kv_info(x.kv_dtype, parts)
 
         infos = [describe(x, name) for x, name in zip(arrays[:4], "q k v out".split())]
         lse_info = tensors.describe(lse, "lse") if lse is not None else None
+        extents.append(lse_info.nbytes if lse_info is not None else 0)
         named = list(zip("q k v out lse".split(), (*infos, lse_info))) + scale_infos
         for name, info in named:
             if info is not None:
@@ -631,7 +637,7 @@ class DecodeAttention:
         shapes = tensors.check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info,
                                              kv_layout=self.kv_layout if self.page_size else None)
         self._check_against_plan(shapes, self._launch)
-        return [info.stream for _, info in named if info is not None and info.stream is not None]
+        return [info.stream for _, info in named if info is not None and info.stream is not None], tuple(extents)
 
     def _check_against_plan(self, shapes: tensors.DecodeShapes, launch: _Launch) -> None:
         expected = (launch.batch, self.num_qo_heads, self.num_kv_heads, self.head_dim,
@@ -810,41 +816,19 @@ def _pointers(arrays) -> tuple:
     return tuple(np.uint64(a.data.ptr if a is not None else 0) for a in arrays)
 
 
-def _nbytes(x) -> int:
-    """Bytes an array spans (contiguous, as validated); a quantized cache's values; 0 for None."""
-    if x is None:
-        return 0
-    if isinstance(x, QuantizedKV):
-        return _nbytes(x.values)
-    module = type(x).__module__
-    if module.startswith("torch"):
-        return x.numel() * x.element_size()
-    if module.startswith("cupy"):
-        return x.nbytes
-    info = tensors.describe(x, "array")
-    return math.prod(info.shape) * np.dtype(_interface_typestr(x)).itemsize
-
-
-def _interface_typestr(x) -> str:
-    typestr = x.__cuda_array_interface__["typestr"] if hasattr(x, "__cuda_array_interface__") else "<u1"
-    return "<u2" if typestr[1:] == "V2" else typestr
-
-
-_OUTPUTS, _NAMES = (3, 4), ("q", "k", "v", "out", "lse")
+_NAMES = ("q", "k", "v", "out", "lse")
+#: (written, other) pairs of run()'s arrays, by their index in _NAMES, that must share no byte.
+_APART = ((3, 0), (3, 1), (3, 2), (3, 4), (4, 0), (4, 1), (4, 2))
 
 
 def _check_outputs_apart(pointers: tuple, extents: tuple) -> None:
     """out and lse share no byte with q, k, v or each other: the programs write them while other
     CTAs still read the inputs. ValueError naming the two otherwise."""
-    for i in _OUTPUTS:
-        start, end = pointers[i], pointers[i] + extents[i]
-        if extents[i] == 0:
-            continue
-        for j in range(len(pointers)):
-            if j != i and extents[j] and not (j in _OUTPUTS and j < i) \
-                    and start < pointers[j] + extents[j] and pointers[j] < end:
-                raise ValueError(f"{_NAMES[i]}: overlaps {_NAMES[j]} in memory; the results must go to "
-                                 f"a buffer of their own")
+    for i, j in _APART:
+        overlap = pointers[i] < pointers[j] + extents[j] and pointers[j] < pointers[i] + extents[i]
+        if extents[i] and extents[j] and overlap:
+            raise ValueError(f"{_NAMES[i]}: overlaps {_NAMES[j]} in memory; the results must go to a buffer of "
+                             f"their own")
 
 
 def _data_ptr(x) -> int:

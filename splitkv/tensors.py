@@ -18,7 +18,7 @@ otherwise a legitimate array of integers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -62,10 +62,16 @@ class TensorInfo:
     kind: str
     stream: int | None = None
     readonly: bool = False
+    itemsize: int = field(default=0, compare=False)  # bytes per element (0: not known)
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a contiguous array of this shape spans."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
 
     @property
     def is_contiguous(self) -> bool:
@@ -95,7 +101,7 @@ def describe(x: Any, name: str, *, bf16_from_uint16: bool = False) -> TensorInfo
     if hasattr(x, "__dlpack__"):
         device = _dlpack_cuda_device(x, name)
         info = _describe_cupy(_cupy_from_dlpack(x), name, bf16_from_uint16)
-        return TensorInfo(info.ptr, info.shape, info.strides, info.dtype, device, "dlpack")
+        return TensorInfo(info.ptr, info.shape, info.strides, info.dtype, device, "dlpack", itemsize=info.itemsize)
     raise TypeError(f"{name}: expected {_ACCEPTED}; got {type(x).__name__}")
 
 
@@ -114,7 +120,7 @@ def _describe_torch(x: Any, name: str) -> TensorInfo:
     dtype = str(x.dtype)
     return TensorInfo(ptr=int(x.data_ptr()), shape=tuple(x.shape), strides=tuple(x.stride()),
                       dtype=_TORCH_DTYPES.get(dtype, dtype.removeprefix("torch.")),
-                      device=x.device.index, kind="torch")
+                      device=x.device.index, kind="torch", itemsize=int(x.element_size()))
 
 
 def _describe_cupy(x: Any, name: str, bf16_from_uint16: bool) -> TensorInfo:
@@ -123,7 +129,7 @@ def _describe_cupy(x: Any, name: str, bf16_from_uint16: bool) -> TensorInfo:
     return TensorInfo(ptr=int(x.data.ptr), shape=tuple(x.shape),
                       strides=_cai_element_strides(x.strides, tuple(x.shape), x.dtype.itemsize, name),
                       dtype=_numpy_dtype_name(x.dtype, bf16_from_uint16),
-                      device=int(x.device.id), kind="cupy")
+                      device=int(x.device.id), kind="cupy", itemsize=int(x.dtype.itemsize))
 
 
 def _describe_cai(cai: dict, name: str, bf16_from_uint16: bool) -> TensorInfo:
@@ -140,7 +146,7 @@ def _describe_cai(cai: dict, name: str, bf16_from_uint16: bool) -> TensorInfo:
     return TensorInfo(ptr=int(data[0]), shape=shape,
                       strides=_cai_element_strides(cai.get("strides"), shape, dtype.itemsize, name),
                       dtype=_numpy_dtype_name(dtype, bf16_from_uint16), device=None, kind="cai",
-                      stream=stream, readonly=len(data) > 1 and bool(data[1]))
+                      stream=stream, readonly=len(data) > 1 and bool(data[1]), itemsize=dtype.itemsize)
 
 
 def _typestr_dtype(typestr: str, name: str) -> np.dtype:
@@ -381,8 +387,7 @@ def describe_scale(x: Any, name: str, num_kv_heads: int) -> TensorInfo:
     if scale.dtype != "fp32" or scale.ndim != 1 or scale.shape[0] not in (1, num_kv_heads) or not scale.is_contiguous:
         raise ValueError(f"{name}: expected a contiguous float32 array of 1 or num_kv_heads={num_kv_heads} "
                          f"values, got {scale.dtype} {scale.shape}")
-    if scale.ptr % 4:
-        raise ValueError(f"{name}: expected a data pointer aligned to 4 bytes (float32), got {scale.ptr:#x}")
+    _check_aligned(scale, name, 4, "4 bytes (float32)")
     return scale
 
 
@@ -505,23 +510,21 @@ def _check_lse(lse: TensorInfo, q: TensorInfo) -> None:
     if not lse.is_contiguous:
         raise ValueError(f"lse: expected contiguous strides {_contiguous_strides(lse.shape)} (in "
                          f"elements), got {lse.strides}")
-    _check_element_aligned(lse, "lse", 4)
+    _check_aligned(lse, "lse", 4, "its 4-byte elements")
     _check_same_device(lse, "lse", q)
 
 
-def _check_element_aligned(info: TensorInfo, name: str, size: int) -> None:
+def _check_aligned(info: TensorInfo, name: str, size: int, what: str) -> None:
     # CuPy and torch allocations always are; a bare __cuda_array_interface__ may point anywhere.
     if info.ptr % size:
-        raise ValueError(f"{name}: expected a data pointer aligned to its {size}-byte elements, got {info.ptr:#x}")
+        raise ValueError(f"{name}: expected a data pointer aligned to {what}, got {info.ptr:#x}")
 
 
 def _check_layout(info: TensorInfo, name: str) -> None:
     if not info.is_contiguous:
         raise ValueError(f"{name}: expected contiguous strides {_contiguous_strides(info.shape)} (in "
                          f"elements), got {info.strides}")
-    if info.ptr % _VECTOR_BYTES:
-        raise ValueError(f"{name}: expected a data pointer aligned to {_VECTOR_BYTES} bytes (the "
-                         f"kernels use {_VECTOR_BYTES}-byte loads), got {info.ptr:#x}")
+    _check_aligned(info, name, _VECTOR_BYTES, f"{_VECTOR_BYTES} bytes (the kernels use {_VECTOR_BYTES}-byte loads)")
 
 
 def _check_same_device(info: TensorInfo, name: str, q: TensorInfo) -> None:
@@ -560,7 +563,7 @@ def check_block_table_info(info: TensorInfo, batch: int) -> None:
     if info.dtype != "int32" or info.ndim != 2 or info.shape[0] != batch or not info.is_contiguous:
         raise ValueError(f"block_table: expected a contiguous int32 [{batch}, max_pages_per_seq] array, "
                          f"got {info.dtype} {info.shape}")
-    _check_element_aligned(info, "block_table", 4)
+    _check_aligned(info, "block_table", 4, "its 4-byte elements")
 
 
 def check_seq_lens(seq_lens: Any, batch: int, max_len: int | None) -> np.ndarray | None:
@@ -599,7 +602,7 @@ def _check_device_seq_lens(info: TensorInfo, batch: int) -> None:
         raise ValueError(f"seq_lens: expected shape ({batch},) [batch], got {info.shape}")
     if not info.is_contiguous:
         raise ValueError(f"seq_lens: expected contiguous strides (1,), got {info.strides}")
-    _check_element_aligned(info, "seq_lens", 4)
+    _check_aligned(info, "seq_lens", 4, "its 4-byte elements")
 
 
 _INT32_MAX = 2**31 - 1

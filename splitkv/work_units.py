@@ -238,7 +238,7 @@ def _skewed(unsplit_costs, slots: int, costs: CostModel) -> bool:
     return float(unsplit_costs.max()) > (1 + costs.threshold) * float(unsplit_costs.sum()) / slots
 
 
-def _candidates(row_tokens, row_blocks, slots, costs, partial_wave: bool = True) -> np.ndarray:
+def _candidates(row_tokens, row_blocks, slots, costs, partial_wave: bool) -> np.ndarray:
     """Ways to split each row, one row of the result per candidate (at most one piece per block,
     no two alike, each splitting some row):
     - every row in pieces of about `PROPORTIONAL_TARGETS` times a slot's average load;

@@ -418,16 +418,15 @@ def _confirmed(study, key, bucket, arch, objective, top, iters, exhaustive_resul
         compared = compare_with_exhaustive(study, exhaustive_results)
         mine = None if spec is None else exhaustive_results.get(spec.name)
         compared["tuned_spec_us"] = None if mine is None else round(mine, 3)
-        compared["builtin_spec_us"] = _builtin_figure(objective, exhaustive_results, key, arch)
+        compared["builtin_spec_us"] = _builtin_figure(objective, exhaustive_results, key, arch, builtin_runs)
     entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(measured(study)), today(),
                   compared, tuned.detail.get("plan"), None if spec is None else builtin_runs)
     return Outcome(entry, trial_rows(study), report, objective.name)
 
 
-def _builtin_figure(objective: Objective, results: dict, key: TuneKey, arch: str) -> float | None:
+def _builtin_figure(objective: Objective, results: dict, key: TuneKey, arch: str, builtin: str) -> float | None:
     """The built-in choice's figure in an exhaustive run: the best of the candidates that launch
-    what it launches on the bucket (None when none of them ran)."""
-    builtin = objective.runs(None)
+    what it launches on the bucket (``builtin``, `Objective.runs`; None when none of them ran)."""
     same = []
     for spec in space.enumerate_specs(key, arch)[0]:
         if results.get(spec.name) is None:

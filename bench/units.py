@@ -1,7 +1,7 @@
 """Work-unit plans against fixed splits and FlashInfer, on partial-wave and balanced batches.
 
 For every case (lengths, heads, page size) in one run: splitkv with the work-unit planner
-(plan(variant='units')), splitkv's default planner, a uniform split (every row cut into
+(plan(variant='units')), splitkv's default planner, the dense program alone, a uniform split (every row cut into
 ceil(SMs / rows) splits, one CTA per SM as flash-decoding does), the best fixed split found by
 brute force over split counts, and FlashInfer's paged decode on the same pages. Medians under the
 benchmark's protocol (CUDA events, cold L2); the host time of planning is shown too.
@@ -108,9 +108,9 @@ def main(argv=None) -> int:
     harness.flush_us = harness.flush_time_us()
     rng = cupy.random.default_rng(0)
     num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    header = ("| case | units µs (plan host µs) | default µs | uniform split µs | best fixed split µs (splits) | "
+    header = ("| case | units µs (plan host µs) | default µs | dense µs | uniform split µs | best fixed split µs (splits) | "
               "units / best fixed | uniform / units | FlashInfer µs |")
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     print(header, flush=True)
     rows = []
     for case in map(Case.parse, args.cases):
@@ -134,6 +134,7 @@ def main(argv=None) -> int:
                 units_attn.plan(lens, variant="units", stream=harness.stream, **plan_args)
                 host.append((time.perf_counter() - t0) * 1e6)
             default_us, default_attn = timed()
+            dense_us, _ = timed(variant="dense")
             rows_total = len(lens) * case.num_kv_heads
             uniform = max(1, -(-num_sms // rows_total))
             uniform_us, _ = timed(variant="split", num_splits=uniform)
@@ -150,11 +151,11 @@ def main(argv=None) -> int:
                 print(f"  FlashInfer n/a: {type(exc).__name__}: {exc}", flush=True)
         best = fixed[best_splits]
         row = {"case": case.label, "units_us": units_us, "plan_host_us": statistics.median(host),
-               "default_us": default_us, "uniform_splits": uniform, "uniform_us": uniform_us,
+               "default_us": default_us, "dense_us": dense_us, "uniform_splits": uniform, "uniform_us": uniform_us,
                "fixed_us": fixed, "best_fixed_splits": best_splits, "best_fixed_us": best,
                "flashinfer_us": fi_us, "units_plan": units_attn.plan_info, "default_plan": default_attn.plan_info}
         rows.append(row)
-        line = (f"| {case.label} | {units_us:.1f} ({row['plan_host_us']:.0f}) | {default_us:.1f} | {uniform_us:.1f} "
+        line = (f"| {case.label} | {units_us:.1f} ({row['plan_host_us']:.0f}) | {default_us:.1f} | {dense_us:.1f} | {uniform_us:.1f} "
                 f"({uniform}) | {best:.1f} ({best_splits}) | {units_us / best:.3f} | {uniform_us / units_us:.2f}x | "
                 + (f"{fi_us:.1f}" if fi_us else "n/a") + " |")
         lines.append(line)

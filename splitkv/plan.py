@@ -4,7 +4,8 @@ Pure NumPy, no GPU. Everything the launch needs is in the returned ``SplitPlan``
 is the only entry point, so a better planner can replace this one without touching its callers.
 
 v1 model: a work unit is one (sequence, K/V head). When the units alone fill a wave of resident
-CTAs, or no sequence is longer than one chunk, the dense program runs. Otherwise the longest
+CTAs, or give nearly every SM one CTA (`DENSE_SM_SHARE`), or no sequence is longer than one chunk,
+the dense program runs. Otherwise the longest
 sequence is cut into ``s`` equal, chunk-aligned splits, with ``s`` chosen to minimise a predicted
 makespan of ``waves * tokens_per_split`` plus a merge cost per split; every other sequence uses the
 same split length and so needs fewer splits.
@@ -26,6 +27,13 @@ from .spec import SPLIT_PLAN_VARIANTS as VARIANTS
 #: 8. Measured on an H200 (B=1, 16/2 heads, D=256, 16k): 32 splits on 64 CTAs take 28.8 µs, and
 #: 64 splits on 128 CTAs 31.4 µs, since the last CTA then reads 64 partials of 8 KB per row.
 MERGE_COST_TOKENS_PER_SPLIT = 16
+
+#: The dense program runs when its CTAs (one per row) number at least this share of the SMs, even
+#: where an SM holds several split CTAs: one CTA per SM already streams near the bandwidth, and the
+#: few idle SMs cost less than the splits' partials and merge. On an H200 (head_dim 64, 8 K/V heads,
+#: 3 split CTAs resident per SM) the split planner's 3 splits were slower than dense at 128 rows
+#: (48.8 against 46.1 µs at 4k) and at 256 rows (82.5 against 78.2 µs at 4k, 32.6 against 28.4 at 1k).
+DENSE_SM_SHARE = 15 / 16
 
 #: Upper bound on the grid, in waves of resident CTAs: more splits only add partials to merge.
 MAX_WAVES = 2
@@ -128,7 +136,7 @@ def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max
     units = lens.size * num_kv_heads
     slots = num_sms * ctas_per_sm
     max_len = int(lens.max())
-    if units >= slots or max_len <= chunk_size:
+    if units >= slots or units >= DENSE_SM_SHARE * num_sms or max_len <= chunk_size:
         return _dense(lens, num_kv_heads, chunk_size)
 
     # Every split count that keeps the grid within MAX_WAVES, capped so no split is under a chunk.

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitkv.plan import (WARP_HEADS_SHARE, SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits,
-                          span_plan, span_row_ctas, wants_packed_heads, whole_row_ctas)
+from splitkv.plan import (DENSE_SM_SHARE, WARP_HEADS_SHARE, SplitPlan, describe, fit_clusters, fixed_plan,
+                          pack_heads, plan_splits, span_plan, span_row_ctas, wants_packed_heads, whole_row_ctas)
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
 # Short batches of short sequences on a small GPU reach the split path far more often.
@@ -117,6 +117,16 @@ def test_dense_cases():
         assert plan.variant == "dense" and plan.num_splits == 1
         assert describe(plan).startswith("dense")
     assert empty.tokens_per_split == 64 and list(empty.splits_per_seq) == [1, 1]
+
+
+def test_rows_that_give_nearly_every_sm_a_cta_run_dense_even_with_room_for_more():
+    # 16 x 8 and 32 x 8 rows on 132 SMs holding 3 split CTAs each: dense (one CTA per SM streams
+    # near the bandwidth); 96 rows leave a quarter of the SMs idle, so those still split.
+    assert 128 >= DENSE_SM_SHARE * 132
+    for batch in (16, 32):
+        plan = plan_splits([4096] * batch, 8, chunk_size=128, num_sms=132, ctas_per_sm=3)
+        assert plan.variant == "dense" and plan.num_ctas == batch * 8
+    assert plan_splits([4096] * 12, 8, chunk_size=128, num_sms=132, ctas_per_sm=3).variant == "split"
 
 
 @given(problems(), st.integers(1, 8))

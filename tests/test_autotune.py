@@ -920,6 +920,53 @@ def test_tuning_compiles_with_jobs_given_or_the_cpus_shared_by_the_workers(monke
             assert argv[argv.index(want[0]):][:len(want)] == want
 
 
+def test_workers_tune_keys_apart_and_the_parent_reads_their_outcomes(tmp_path, monkeypatch, capsys):
+    """Worker 2 of 2 starts at the second half of the keys, confirms and writes what it tunes, and
+    leaves a key another live process claimed; the parent then takes the worker's saved outcome
+    without confirming again, and tunes only what was left. A saved outcome stands only for the
+    trials and settings it was confirmed with."""
+    pytest.importorskip("optuna")
+    from splitkv.autotune import cli as tune_cli
+
+    out = tmp_path / "t"
+    argv = ["--arch", "sm90", "--tune", "--cost-model", "--head-dim", "128", "--group", "1,4", "--dtype", "bf16",
+            "--bucket", "b1-l2k", "--trials", "8", "--storage", str(tmp_path / "j.log"), "--out", str(out)]
+    g1, g4 = TuneKey(128, 1), TuneKey(128, 4)
+    bucket = BUCKETS_BY_NAME["b1-l2k"]
+
+    def study_of(key):
+        name = keys.study_name("", "cost model", "sm_90", key, bucket, keys.code_version())
+        return search.open_study(name, str(tmp_path / "j.log"))
+
+    study_of(g1).set_user_attr(search.CLAIM_ATTR, dict(host=search._HOST, pid=os.getppid()))  # alive
+    monkeypatch.setenv(tune_cli.WORKER_ENV, "2")
+    monkeypatch.setenv(tune_cli.WORKERS_ENV, "2")
+    assert cli.main([*argv, tune_cli.WORKER_FLAG]) == 0
+    assert len(search.measured(study_of(g4))) == 8 and search.OUTCOME_ATTR in study_of(g4).user_attrs
+    assert len(search.measured(study_of(g1))) == 0  # claimed by another live process: left to it
+    (written,) = tables.load(out / "sm_90" / "cost_model.yaml").entries
+    assert written.key == g4
+
+    finished = []
+    real_finish = search.finish
+    monkeypatch.setattr(search, "finish", lambda study, key, *a, **kw: finished.append(key) or
+                        real_finish(study, key, *a, **kw))
+    monkeypatch.delenv(tune_cli.WORKER_ENV)
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    assert finished == [g1]  # g4's outcome was the worker's
+    summary = capsys.readouterr().out
+    assert g1.label in summary and g4.label in summary
+    entries = tables.load(out / "sm_90" / "cost_model.yaml").entries
+    assert sorted(e.key.group_size for e in entries) == [1, 4]
+    assert next(e for e in entries if e.key == g4) == written
+
+    settings = tune_cli._settings(cli.build_parser().parse_args(argv))
+    assert search.saved_outcome(study_of(g4), ARCH, 8, settings).entry == written
+    assert search.saved_outcome(study_of(g4), ARCH, 9, settings) is None  # more trials asked for
+    assert search.saved_outcome(study_of(g4), ARCH, 8, {**settings, "iters": 99}) is None
+
+
 def test_worker_command_lines_drop_devices():
     """A worker runs this command line without --devices, in either spelling."""
     from splitkv.autotune.cli import _without_devices
@@ -1179,6 +1226,45 @@ def test_a_study_keeps_the_seconds_each_phase_took():
     assert timed[0].endswith("s sample/compile/measure/confirm")
     assert timed[1].endswith("/".join(f"{outcome.seconds[p]:.1f}" for p in search.PHASES))
     assert report.format_summary([outcome.entry]).splitlines()[0].endswith("tuned program")
+
+
+def test_the_buckets_of_a_key_are_searched_together():
+    """run_studies compiles the candidates of every bucket's batch in one prepare() per round, so a
+    key's buckets pay fewer rounds than searched one by one; each study gets its own trials, scored
+    by its own bucket's objective, and a share of the rounds' compile seconds."""
+    pytest.importorskip("optuna")
+    buckets = ("b1-l2k", "b1-l32k", "b32-l4k")
+
+    class Counting(Recording):  # rounds that compile something
+        def prepare(self, specs):
+            rounds.append([s.name for s in specs])
+            return super().prepare(specs)
+
+    def compiling_rounds(runs):
+        rounds.clear()
+        assert search.run_studies(runs, KEY, ARCH, trials=10) == 10 * len(runs)
+        return sum(bool(names) for names in rounds)
+
+    def runs_of(names):
+        out = []
+        for bucket in names:
+            study = memory_study()
+            search.enqueue_defaults(study, KEY, keys.parse_bucket(bucket), ARCH)
+            out.append((study, Counting(bucket=bucket), None))
+        return out
+
+    rounds = []
+    apart = sum(compiling_rounds(runs_of([bucket])) for bucket in buckets)
+    runs = runs_of(buckets)
+    together = compiling_rounds(runs)
+    assert together < apart
+    for study, obj, _ in runs:
+        assert len(search.measured(study)) == 10
+        assert search.study_seconds(study)["compile"] >= 0
+        for t in search.measured(study):  # every figure is this bucket's own
+            spec = space.build_spec(lambda name, values: t.params[name], KEY, ARCH)
+            assert t.value == costmodel.predict_us(costmodel.launched(spec, KEY, obj.bucket, ARCH), obj.bucket)
+    assert all(len(names) == len(set(names)) for names in rounds)  # a program asked twice compiles once
 
 
 def test_recording_the_seconds_never_hides_the_error_that_ended_the_phase():

@@ -28,8 +28,9 @@ DEFAULT_GROUPS = (1, 4, 8)
 DEFAULT_TRIALS = 20
 DEFAULT_ITERS = 20
 WORKER_FLAG = "--tune-worker"
-#: A worker's index among those of one run (mixed into its sampler's seed).
+#: A worker's index (from 1) among those of one run (mixed into its sampler's seed), and their number.
 WORKER_ENV = "SPLITKV_TUNE_WORKER"
+WORKERS_ENV = "SPLITKV_TUNE_WORKERS"
 #: Exit status when a candidate left the GPU unusable (EX_TEMPFAIL: run it again to go on).
 EXIT_CONTEXT_LOST = 75
 #: Times a worker whose context was lost is started again.
@@ -127,18 +128,17 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
         print(f"splitkv-gen: {problem}", file=sys.stderr)
         return 2
     args.storage_handle = search.make_storage(args.storage)  # one handle: an in-memory study lives in it
-    studies = [(key, bucket) for key in keys for bucket in buckets]
-    print(f"tuning {len(keys)} keys x {len(buckets)} buckets = {len(studies)} studies of {args.trials} trials "
-          f"on {gpu['name']} ({arch})", file=sys.stderr)
+    print(f"tuning {len(keys)} keys x {len(buckets)} buckets = {len(keys) * len(buckets)} studies of "
+          f"{args.trials} trials on {gpu['name']} ({arch})", file=sys.stderr)
     if args.tune_worker:
-        return _search_all(args, arch, gpu, studies, progress=False)
+        return _work(args, arch, gpu, keys, buckets)
     if workers:
-        rc = _run_workers(args, devices, [_study_name(args, gpu, arch, k, b) for k, b in studies])
+        rc = _run_workers(args, devices, [_study_name(args, gpu, arch, k, b) for k in keys for b in buckets])
         if rc:
             return rc
-        return _finish_all(args, arch, gpu, studies)
-    # One process: each study is searched, confirmed and written before the next starts.
-    return _finish_all(args, arch, gpu, studies, search_first=True)
+    # The workers' outcomes are read back from the storage; what they left (nothing, unless one
+    # stopped early) is tuned here.
+    return _tune_all(args, arch, gpu, keys, buckets)
 
 
 def _report_from(args, arch, keys, bucket_names) -> int:
@@ -285,47 +285,134 @@ def _study(args, gpu, arch, key, bucket):
     return study
 
 
-def _search_all(args, arch, gpu, studies, progress: bool) -> int:
-    """Every study's search, no confirmation and no table: what a worker does."""
+def _work(args, arch, gpu, keys, buckets) -> int:
+    """What a worker does: tune keys (search, confirm, write) until none is left that no other
+    process has claimed. Worker i of N starts at the i-th N-th of the keys and goes round, so the
+    workers start apart and meet only at the end; a key another live worker claimed is left to it."""
+    from . import search
     from .objective import ContextLost
 
-    overall = _bar(progress, total=len(studies) * args.trials, desc="all studies", position=0)
+    index = max(1, int(os.environ.get(WORKER_ENV, "1")))
+    count = max(index, int(os.environ.get(WORKERS_ENV, "1")))
+    first = (index - 1) * len(keys) // count
     failed = 0
     try:
-        for key, bucket in studies:
-            try:
-                with _objective(args, key, bucket, arch) as objective:
-                    _search(args, gpu, arch, key, bucket, objective, overall, progress)
-            except ContextLost:
-                raise
-            except Exception as e:  # noqa: BLE001 - as in _finish_all: said, and the next study goes on
-                print(f"splitkv-gen: {key.label} {bucket.name}: {type(e).__name__}: {e}", file=sys.stderr)
-                failed += 1
+        for key in keys[first:] + keys[:first]:
+            lead = _study(args, gpu, arch, key, buckets[0])
+            if search.claimed_elsewhere(lead):
+                continue
+            search.claim(lead)
+            failed += _tune_key(args, gpu, arch, key, buckets, overall=None, progress=False)[1]
     except ContextLost as e:
         return _context_lost(e)
-    finally:
-        if overall is not None:
-            overall.close()
+    except _TableUnwritable as e:
+        print(f"splitkv-gen: {e}", file=sys.stderr)
+        return 2
     return 1 if failed else 0
 
 
-def _search(args, gpu, arch, key, bucket, objective, overall, progress: bool):
-    """Run the study's remaining trials; returns the study. ``objective`` is a `_Lazy`: built only
-    when trials are missing."""
-    from . import search
+class _TableUnwritable(OSError):
+    """The table cannot be written: the run stops (its trials are kept in --storage)."""
 
-    study = _study(args, gpu, arch, key, bucket)
-    done = len(search.measured(study))
-    if overall is not None:
-        overall.update(min(done, args.trials))
-    if done < args.trials:
-        bar = _bar(progress, total=args.trials, initial=done, desc=f"{key.label} {bucket.name}", position=1,
-                   leave=False)
-        search.run_trials(study, key, arch, objective.get(), trials=args.trials, timeout=args.timeout,
-                          progress=_Both(bar, overall))
-        if bar is not None:
-            bar.close()
-    return study
+
+def _settings(args) -> dict:
+    """What a study's confirmation depends on beyond its trials (see `search.save_outcome`)."""
+    return dict(iters=args.iters, exhaustive=bool(args.exhaustive), cost_model=bool(args.cost_model))
+
+
+def _tune_key(args, gpu, arch, key, buckets, overall, progress: bool) -> tuple[list, int]:
+    """Tune the key's studies, one per bucket: search them together (`search.run_studies`), then
+    confirm each and write its entry at once. A study whose outcome the storage already holds (a
+    worker's, or a stopped run's) is taken as it is. Returns (outcomes, studies that failed)."""
+    import contextlib
+
+    from . import search
+    from .objective import ContextLost
+
+    settings = _settings(args)
+    studies = {b: _study(args, gpu, arch, key, b) for b in buckets}
+    outcomes, failed, todo = {}, 0, []
+    for bucket in buckets:
+        saved = search.saved_outcome(studies[bucket], arch, args.trials, settings)
+        if saved is None:
+            todo.append(bucket)
+        else:
+            outcomes[bucket] = saved
+        if overall is not None:
+            overall.update(min(len(search.measured(studies[bucket])), args.trials))
+    with contextlib.ExitStack() as stack:
+        objectives = {b: stack.enter_context(_objective(args, key, b, arch)) for b in todo}
+        searching = []
+        for bucket in list(todo):
+            if len(search.measured(studies[bucket])) >= args.trials:
+                continue
+            try:
+                searching.append((bucket, objectives[bucket].get()))
+            except ContextLost:
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. no memory for this bucket's inputs: the others go on
+                print(f"splitkv-gen: {key.label} {bucket.name}: {type(e).__name__}: {e}; nothing is written for it",
+                      file=sys.stderr)
+                failed += 1
+                todo.remove(bucket)
+        if searching:
+            done = sum(min(len(search.measured(studies[b])), args.trials) for b, _ in searching)
+            bar = _bar(progress, total=len(searching) * args.trials, initial=done, position=1, leave=False,
+                       desc=f"{key.label} " + ",".join(b.name for b, _ in searching))
+            try:
+                search.run_studies([(studies[b], objective, _Both(bar, overall)) for b, objective in searching],
+                                   key, arch, trials=args.trials, timeout=args.timeout)
+            except ContextLost:
+                raise
+            except Exception as e:  # noqa: BLE001 - said; the next key goes on
+                print(f"splitkv-gen: {key.label}: the search failed ({type(e).__name__}: {e}); nothing is written "
+                      f"for {', '.join(b.name for b, _ in searching)}", file=sys.stderr)
+                failed += len(searching)
+                todo = [b for b in todo if b not in dict(searching)]
+            finally:
+                if bar is not None:
+                    bar.close()
+        for bucket in todo:
+            outcome = _confirmed(args, arch, key, bucket, studies[bucket], objectives[bucket])
+            if outcome is None:
+                failed += 1
+                continue
+            search.save_outcome(studies[bucket], outcome, settings)
+            _write(args, arch, gpu, [outcome.entry])
+            outcomes[bucket] = outcome
+    return [outcomes[b] for b in buckets if b in outcomes], failed
+
+
+def _confirmed(args, arch, key, bucket, study, objective):
+    """`_finish`, with its failures said (None); a lost GPU context is raised."""
+    from .objective import ContextLost, TrialFailed
+
+    try:
+        return _finish(args, arch, key, bucket, study, objective)
+    except ContextLost:
+        raise
+    except TrialFailed as e:  # the built-in choice itself failed here: say so, go on
+        print(f"splitkv-gen: {key.label} {bucket.name}: the built-in choice failed, so nothing is written "
+              f"for it: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - e.g. no memory for this bucket's inputs: the next may fit
+        print(f"splitkv-gen: {key.label} {bucket.name}: {type(e).__name__}: {e}; nothing is written for it",
+              file=sys.stderr)
+    return None
+
+
+def _write(args, arch, gpu, entries) -> None:
+    """Merge ``entries`` into the run's table (none for a cost-model run without --out)."""
+    from . import tables
+
+    path = _table_path(args, arch, gpu)
+    if path is None:
+        return
+    header = tables.make_header(gpu["name"], arch, gpu["sm_count"], gpu["cuda_runtime"], gpu["nvrtc"], _version())
+    try:
+        tables.save(path, header, entries)
+    except (OSError, tables.TableError) as e:
+        raise _TableUnwritable(f"cannot write the table {path}: {e}; give a writable folder with --out (the "
+                               f"trials are kept in --storage, if one was given)") from e
 
 
 def _context_lost(e) -> int:
@@ -345,7 +432,8 @@ def _run_workers(args, devices, names) -> int:
     logs = [open(log_dir / f"worker-{i}-gpu{d}.log", "w") for i, d in enumerate(devices)]  # noqa: SIM115
 
     def start(index):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(devices[index]), **{WORKER_ENV: str(index + 1)})
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(devices[index]),
+                   **{WORKER_ENV: str(index + 1), WORKERS_ENV: str(len(devices))})
         return subprocess.Popen(argv, env=env, stdout=logs[index], stderr=subprocess.STDOUT)
 
     workers = [start(i) for i in range(len(devices))]
@@ -400,70 +488,48 @@ def _count_trials(args, names) -> int:
     return sum(min(s.n_trials, args.trials) for s in summaries if s.study_name in wanted)
 
 
-def _finish_all(args, arch, gpu, studies, search_first: bool = False) -> int:
-    """Confirm each study's winner against the built-in choice (searching it first, in one-process
-    runs), write it to the table at once, print the summary."""
-    from . import tables
-    from .objective import ContextLost, TrialFailed
+def _tune_all(args, arch, gpu, keys, buckets) -> int:
+    """Tune every key (`_tune_key`; after workers, mostly reading their outcomes back), print the
+    summary, write the report."""
+    from .objective import ContextLost
 
-    header = tables.make_header(gpu["name"], arch, gpu["sm_count"], gpu["cuda_runtime"], gpu["nvrtc"], _version())
-    path = _table_path(args, arch, gpu)
     outcomes, failed = [], 0
-    overall = _bar(search_first, total=len(studies) * args.trials, desc="all studies", position=0)
-    for key, bucket in studies:
-        try:
-            with _objective(args, key, bucket, arch) as objective:
-                outcome = _finish(args, gpu, arch, key, bucket, objective, overall if search_first else None,
-                                  search_first)
-        except ContextLost as e:
-            return _context_lost(e)
-        except TrialFailed as e:  # the built-in choice itself failed here: say so, go on
-            print(f"splitkv-gen: {key.label} {bucket.name}: the built-in choice failed, so nothing is written "
-                  f"for it: {e}", file=sys.stderr)
-            failed += 1
-            continue
-        except Exception as e:  # noqa: BLE001 - e.g. no memory for this bucket's inputs: the next may fit
-            print(f"splitkv-gen: {key.label} {bucket.name}: {type(e).__name__}: {e}; nothing is written for it",
-                  file=sys.stderr)
-            failed += 1
-            continue
-        if outcome is None:
-            failed += 1
-            continue
-        outcomes.append(outcome)
-        if path is not None:
-            try:
-                tables.save(path, header, [outcome.entry])
-            except (OSError, tables.TableError) as e:
-                # The finished trials stay in --storage: the run can be resumed with another --out.
-                print(f"splitkv-gen: cannot write the table {path}: {e}; give a writable folder with --out "
-                      f"(the trials are kept in --storage, if one was given)", file=sys.stderr)
-                return 2
-    if overall is not None:
-        overall.close()
+    overall = _bar(True, total=len(keys) * len(buckets) * args.trials, desc="all studies", position=0)
+    try:
+        for key in keys:
+            done, broke = _tune_key(args, gpu, arch, key, buckets, overall, progress=True)
+            outcomes += done
+            failed += broke
+    except ContextLost as e:
+        return _context_lost(e)
+    except _TableUnwritable as e:
+        print(f"splitkv-gen: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if overall is not None:
+            overall.close()
     from .report import format_summary
 
     print(format_summary([o.entry for o in outcomes], [o.seconds for o in outcomes]))
+    path = _table_path(args, arch, gpu)
     if path is not None and outcomes:
+        _write(args, arch, gpu, [o.entry for o in outcomes])  # outcomes read back may come from another --out
         print(f"wrote {len(outcomes)} entries to {path}", file=sys.stderr)
     if args.report is not None and outcomes:
-        from . import report
+        from . import report, tables
 
+        header = tables.make_header(gpu["name"], arch, gpu["sm_count"], gpu["cuda_runtime"], gpu["nvrtc"],
+                                    _version())
         sweeps = {} if args.cost_model else _sweeps(outcomes, path.parent.parent)
         written = report.write(args.report, outcomes, header, sweeps)
         print(f"wrote the report to {written}", file=sys.stderr)
     return 0 if outcomes and not failed else 1
 
 
-def _finish(args, gpu, arch, key, bucket, objective, overall, search_first: bool):
-    """One study's outcome (searched first in one-process runs), or None when no candidate
-    succeeded."""
+def _finish(args, arch, key, bucket, study, objective):
+    """One searched study's outcome, or None when no candidate succeeded. ``objective`` is a `_Lazy`."""
     from . import search, space
 
-    if search_first:
-        study = _search(args, gpu, arch, key, bucket, objective, overall, True)
-    else:
-        study = _study(args, gpu, arch, key, bucket)
     if not search.best_specs(study, key, arch, 1):
         print(f"splitkv-gen: {key.label} {bucket.name}: no candidate succeeded; nothing written for it",
               file=sys.stderr)

@@ -75,6 +75,10 @@ class _Clock:
         finally:
             self.spent[name] = self.spent.get(name, 0.0) + time.monotonic() - start
 
+    def add(self, name: str, seconds: float) -> None:
+        """Seconds of a phase spent for this study and others at once (its share of them)."""
+        self.spent[name] = self.spent.get(name, 0.0) + seconds
+
     def flush(self) -> None:
         """Write the seconds; a storage that refuses is warned about, never raised, so that a
         flush on the way out of a failure (a lost GPU context) cannot replace that failure."""
@@ -219,40 +223,85 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
     seconds; returns how many this call measured. Workers sharing a study may overshoot by up to a
     batch each, since each asks for what was missing when its batch began. A lost GPU context
     (`ContextLost`) fails the trial that lost it and is raised: nothing after it could be trusted."""
-    optuna = _optuna()
+    return run_studies([(study, objective, progress)], key, arch, trials=trials, timeout=timeout, batch=batch)
+
+
+@dataclasses.dataclass
+class _Searching:
+    """One study of `run_studies`: its objective, progress bar, clock, and the batch it asked for."""
+
+    study: object
+    objective: Objective
+    progress: object
+    clock: _Clock
+    known: "_Known | None" = None
+    asked: list = dataclasses.field(default_factory=list)
+
+
+def run_studies(runs, key: TuneKey, arch: str, *, trials: int, timeout: float | None = None,
+                batch: int = BATCH) -> int:
+    """`run_trials` for several studies of one key at once, ``runs`` being (study, objective,
+    progress) of each bucket: every round asks each unfinished study for its batch, compiles the
+    candidates of all of them together, then measures each study's own. The buckets of a key search
+    the same programs, and a round of compiles takes as long as its slowest program (about a second
+    on an H200 host) whether it holds one program or as many as there are CPUs: one round serves
+    every bucket instead of one round per bucket. The round's compile seconds are shared equally
+    among its studies' clocks. ``timeout`` bounds the whole call."""
     start = time.monotonic()
     measured_here = 0
-    fail_interrupted(study)
-    clock = _Clock(study)
+    states = []
+    for study, objective, progress in runs:
+        fail_interrupted(study)
+        states.append(_Searching(study, objective, progress, _Clock(study)))
     while True:
-        known = _Known(study)  # each batch: other workers' figures count too
-        left = trials - len(measured(study))
-        if left <= 0 or len(finished(study)) >= MAX_ASKS * trials \
-                or (timeout is not None and time.monotonic() - start > timeout):
+        timed_out = timeout is not None and time.monotonic() - start > timeout
+        round_ = []
+        for run in states:
+            run.known = _Known(run.study)  # each round: other workers' figures count too
+            left = trials - len(measured(run.study))
+            if timed_out or left <= 0 or len(finished(run.study)) >= MAX_ASKS * trials:
+                continue
+            with run.clock.phase("sample"):
+                run.asked = _ask(run.study, key, arch, min(batch, left))
+            round_.append(run)
+        if not round_:
             return measured_here
-        asked = []
-        with clock.phase("sample"):
-            for _ in range(min(batch, left)):
-                trial = study.ask()
-                trial.set_user_attr("host", _HOST)
-                trial.set_user_attr("pid", os.getpid())
-                try:
-                    spec = space.build_spec(lambda name, values: trial.suggest_categorical(name, values), key, arch)
-                except space.Invalid as e:
-                    _tell(study, trial, None, optuna.trial.TrialState.PRUNED, f"invalid: {e}")
-                    continue
-                trial.set_user_attr("spec", spec.name)
-                asked.append((trial, spec))
         try:
-            with clock.phase("compile"):
-                failures = objective.prepare([s for _, s in asked if s.name not in known.by_spec])
-            with clock.phase("measure"):
-                for trial, spec in asked:
-                    if _settle(study, trial, spec, objective, known, failures):
-                        measured_here += 1
-                        _advance(progress)
+            new = {spec.name: spec for run in round_ for _, spec in run.asked if spec.name not in run.known.by_spec}
+            compile_start = time.monotonic()
+            try:
+                failures = round_[0].objective.prepare(list(new.values()))
+            finally:
+                for run in round_:
+                    run.clock.add("compile", (time.monotonic() - compile_start) / len(round_))
+            for run in round_:
+                with run.clock.phase("measure"):
+                    for trial, spec in run.asked:
+                        if _settle(run.study, trial, spec, run.objective, run.known, failures):
+                            measured_here += 1
+                            _advance(run.progress)
         finally:  # a lost context still leaves the time it took
-            clock.flush()
+            for run in round_:
+                run.clock.flush()
+
+
+def _ask(study, key: TuneKey, arch: str, count: int) -> list:
+    """``count`` new trials of ``study``: (trial, spec) of the valid ones; the invalid ones are told
+    as pruned at once."""
+    optuna = _optuna()
+    asked = []
+    for _ in range(count):
+        trial = study.ask()
+        trial.set_user_attr("host", _HOST)
+        trial.set_user_attr("pid", os.getpid())
+        try:
+            spec = space.build_spec(lambda name, values: trial.suggest_categorical(name, values), key, arch)
+        except space.Invalid as e:
+            _tell(study, trial, None, optuna.trial.TrialState.PRUNED, f"invalid: {e}")
+            continue
+        trial.set_user_attr("spec", spec.name)
+        asked.append((trial, spec))
+    return asked
 
 
 class _Known:
@@ -323,6 +372,53 @@ def _tell(study, trial, value, state, reason, repeat_of=None):
 def _advance(progress):
     if progress is not None:
         progress.update(1)
+
+
+#: Study attribute holding the confirmed outcome (see `save_outcome`).
+OUTCOME_ATTR = "outcome"
+#: Study attribute naming the process tuning the study (see `claim`).
+CLAIM_ATTR = "claim"
+
+
+def save_outcome(study, outcome: Outcome, settings: dict) -> None:
+    """Keep ``outcome`` (its entry and confirmation figures) in the study, with the number of measured
+    trials it was confirmed on and the run's ``settings`` (what else the confirmation depends on:
+    timed calls, exhaustive comparison): a later run, or the parent of the workers, takes it from
+    there instead of confirming again (`saved_outcome`)."""
+    study.set_user_attr(OUTCOME_ATTR, dict(entry=outcome.entry.to_dict(), confirm=outcome.confirm,
+                                           objective=outcome.objective, measured=len(measured(study)),
+                                           settings=settings))
+
+
+def saved_outcome(study, arch: str, trials: int, settings: dict) -> Outcome | None:
+    """The outcome `save_outcome` kept in the study, when it still stands: no trial measured since,
+    at least ``trials`` of them, the same ``settings``; else None."""
+    saved = study.user_attrs.get(OUTCOME_ATTR)
+    if not isinstance(saved, dict) or saved.get("settings") != settings:
+        return None
+    count = len(measured(study))
+    if saved.get("measured") != count or count < trials:
+        return None
+    try:
+        entry = Entry.from_dict(saved["entry"], arch)
+    except (KeyError, TypeError, ValueError):
+        return None  # written by another version: confirmed again
+    return Outcome(entry, trial_rows(study), dict(saved.get("confirm") or {}), str(saved.get("objective", "")),
+                   study_seconds(study))
+
+
+def claim(study) -> None:
+    """Mark the study as being tuned by this process (see `claimed_elsewhere`)."""
+    study.set_user_attr(CLAIM_ATTR, dict(host=_HOST, pid=os.getpid()))
+
+
+def claimed_elsewhere(study) -> bool:
+    """Whether another process claimed the study and may still be tuning it: a live process of this
+    host, or any process of another host (which this one cannot see)."""
+    owner = study.user_attrs.get(CLAIM_ATTR)
+    if not isinstance(owner, dict) or (owner.get("host"), owner.get("pid")) == (_HOST, os.getpid()):
+        return False
+    return owner.get("host") != _HOST or _alive(owner.get("pid"))
 
 
 def best_specs(study, key: TuneKey, arch: str, top: int | None) -> list:

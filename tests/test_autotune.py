@@ -96,17 +96,24 @@ def states(study) -> dict:
 
 
 class Recording(costmodel.CostModelObjective):
-    """The cost model, recording what it is asked to prepare and measure; candidates that ``fails``
-    names (a predicate on the spec) raise TrialFailed, those ``refuses`` names fail to compile."""
+    """The cost model, recording what it is asked to compile and measure (a candidate is its own
+    one program); candidates that ``fails`` names (a predicate on the spec) raise TrialFailed, those
+    ``refuses`` names fail to compile."""
+
+    jobs = 2
 
     def __init__(self, key=KEY, bucket="b1-l2k", fails=lambda spec: False, refuses=lambda spec: False):
         super().__init__(key, keys.parse_bucket(bucket), ARCH)
         self.fails, self.refuses = fails, refuses
         self.prepared, self.measured = [], []
 
-    def prepare(self, specs) -> dict:
-        self.prepared.extend(specs)
-        return {s.name: "compile: CompileError: refused by the test" for s in specs if self.refuses(s)}
+    def programs(self, spec) -> list:
+        return [spec]
+
+    def compile(self, program) -> None:
+        self.prepared.append(program)
+        if self.refuses(program):
+            raise RuntimeError("refused by the test")
 
     def measure(self, spec, iters=None):
         self.measured.append(spec)
@@ -572,7 +579,7 @@ def test_build_spec_refuses_an_overflowing_choice():
 
 
 def test_invalid_candidates_are_never_compiled():
-    """The search prunes what KernelSpec refuses before prepare(); prepare gets valid specs only."""
+    """The search prunes what KernelSpec refuses before compiling; only valid specs are compiled."""
     optuna = pytest.importorskip("optuna")
     study, obj = memory_study(), Recording()
     search.enqueue_defaults(study, KEY, keys.parse_bucket("b1-l2k"), ARCH)
@@ -659,7 +666,7 @@ def test_a_failing_candidate_is_a_failed_trial_and_never_wins():
     assert done == 24
     failed = study.get_trials(states=(optuna.trial.TrialState.FAIL,))
     reasons = [t.user_attrs.get("reason", "") for t in failed]
-    assert any(r.startswith("mismatch:") for r in reasons) and any(r.startswith("compile:") for r in reasons)
+    assert any(r.startswith("mismatch:") for r in reasons) and any(r.startswith("compile ") for r in reasons)
     assert all(t.value is None for t in failed)
     outcome = search.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
     winner = outcome.entry.spec
@@ -1132,7 +1139,8 @@ def test_the_objectives_inputs_and_reference(monkeypatch, key):
 
 
 def test_a_lost_gpu_context_stops_the_search_after_recording_its_trial():
-    """ContextLost fails the trial that caused it and is raised; a rerun goes on past it."""
+    """ContextLost fails the trial that caused it and is raised (the candidates still in flight are
+    failed as interrupted: not counted, measured again by a rerun); a rerun goes on past it."""
     pytest.importorskip("optuna")
     study, obj = memory_study(), Recording()
     search.enqueue_defaults(study, KEY, keys.parse_bucket("b1-l2k"), ARCH)
@@ -1145,8 +1153,9 @@ def test_a_lost_gpu_context_stops_the_search_after_recording_its_trial():
     obj.measure = measure
     with pytest.raises(objective.ContextLost):
         search.run_trials(study, KEY, ARCH, obj, trials=10)
-    failed = [t for t in study.trials if t.state.name == "FAIL"]
+    failed = [t for t in study.trials if t.state.name == "FAIL" and "interrupted" not in t.user_attrs]
     assert [t.user_attrs["spec"] for t in failed] == [culprit]
+    assert not [t for t in study.trials if t.state.name == "RUNNING"]
     assert "cudaErrorIllegalAddress" in failed[0].user_attrs["reason"]
     obj.measure = lambda spec, iters=None: Recording.measure(obj, spec, iters)
     search.run_trials(study, KEY, ARCH, obj, trials=10)
@@ -1204,9 +1213,9 @@ def test_a_study_keeps_the_seconds_each_phase_took():
     from splitkv.autotune import report
 
     class Slow(Recording):  # a compile and a measurement that take measurable time
-        def prepare(self, specs):
+        def compile(self, program):
             time.sleep(0.05)
-            return super().prepare(specs)
+            return super().compile(program)
 
         def measure(self, spec, iters=None):
             time.sleep(0.005)
@@ -1228,43 +1237,42 @@ def test_a_study_keeps_the_seconds_each_phase_took():
     assert report.format_summary([outcome.entry]).splitlines()[0].endswith("tuned program")
 
 
-def test_the_buckets_of_a_key_are_searched_together():
-    """run_studies compiles the candidates of every bucket's batch in one prepare() per round, so a
-    key's buckets pay fewer rounds than searched one by one; each study gets its own trials, scored
-    by its own bucket's objective, and a share of the rounds' compile seconds."""
+def test_the_buckets_of_a_key_are_searched_together_while_programs_compile():
+    """run_studies measures a candidate as soon as its programs are compiled, while others still
+    compile (the built-in dense program's compile waits here until the built-in split program was
+    measured), compiles each program once for all the buckets of the key, and gives every study its
+    own trials, scored by its own bucket's objective."""
+    import threading
+
     pytest.importorskip("optuna")
-    buckets = ("b1-l2k", "b1-l32k", "b32-l4k")
+    gated = default_spec(ARCH, 128, 4, variant="dense").name  # the second trial of every study
+    measured_first = threading.Event()
+    compiled, waited = [], []
 
-    class Counting(Recording):  # rounds that compile something
-        def prepare(self, specs):
-            rounds.append([s.name for s in specs])
-            return super().prepare(specs)
+    class Pipelined(Recording):
+        def compile(self, program):
+            if program.name == gated:
+                waited.append(measured_first.wait(timeout=10))
+            compiled.append(program.name)
+            return super().compile(program)
 
-    def compiling_rounds(runs):
-        rounds.clear()
-        assert search.run_studies(runs, KEY, ARCH, trials=10) == 10 * len(runs)
-        return sum(bool(names) for names in rounds)
+        def measure(self, spec, iters=None):
+            measured_first.set()
+            return super().measure(spec, iters)
 
-    def runs_of(names):
-        out = []
-        for bucket in names:
-            study = memory_study()
-            search.enqueue_defaults(study, KEY, keys.parse_bucket(bucket), ARCH)
-            out.append((study, Counting(bucket=bucket), None))
-        return out
-
-    rounds = []
-    apart = sum(compiling_rounds(runs_of([bucket])) for bucket in buckets)
-    runs = runs_of(buckets)
-    together = compiling_rounds(runs)
-    assert together < apart
+    runs = []
+    for bucket in ("b1-l2k", "b1-l32k", "b32-l4k"):
+        study = memory_study()
+        search.enqueue_defaults(study, KEY, keys.parse_bucket(bucket), ARCH)
+        runs.append((study, Pipelined(bucket=bucket), None))
+    assert search.run_studies(runs, KEY, ARCH, trials=10) == 30
+    assert waited == [True]  # compiled once, after a measurement that did not wait for it
+    assert len(compiled) == len(set(compiled))
     for study, obj, _ in runs:
         assert len(search.measured(study)) == 10
-        assert search.study_seconds(study)["compile"] >= 0
         for t in search.measured(study):  # every figure is this bucket's own
             spec = space.build_spec(lambda name, values: t.params[name], KEY, ARCH)
             assert t.value == costmodel.predict_us(costmodel.launched(spec, KEY, obj.bucket, ARCH), obj.bucket)
-    assert all(len(names) == len(set(names)) for names in rounds)  # a program asked twice compiles once
 
 
 def test_recording_the_seconds_never_hides_the_error_that_ended_the_phase():

@@ -13,13 +13,12 @@ device-to-device copy bandwidth measured in the same process.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from ..spec import QUANTIZED_KV_DTYPES, KernelSpec, MergeSpec
 from . import lookup
 from .keys import REFERENCE_KV_HEADS, Bucket, TuneKey
+from .compiling import first_lines as _first_lines
 from .objective import ContextLost, Measurement, Objective, TrialFailed
 
 #: Largest error a candidate may show, relative to the largest reference value (outputs are
@@ -60,27 +59,14 @@ class GpuObjective(Objective):
         cupy.get_default_memory_pool().free_all_blocks()
 
     # ---- compile ------------------------------------------------------------------------------
-    def prepare(self, specs) -> dict:
-        """Compile each candidate with the cluster sizes its plans may take and the programs it
-        is planned with, ``jobs`` at a time (NVRTC releases the GIL); {name: reason} of failures."""
+    def programs(self, spec) -> list:
+        """The candidate, the cluster sizes its plans may take and the programs it is planned with."""
+        return [spec, *_companions(spec, self.builtin_split, self.builtin_dense)]
+
+    def compile(self, program) -> None:
         from ..codegen import compile_cubin
 
-        needed = {spec.name: [spec, *_companions(spec, self.builtin_split, self.builtin_dense)] for spec in specs}
-        every = {s.name: s for group in needed.values() for s in group}
-        with ThreadPoolExecutor(max_workers=max(1, self.jobs)) as pool:
-            futures = {name: pool.submit(compile_cubin, s) for name, s in every.items()}
-        errors = {}
-        for name, fut in futures.items():
-            try:
-                fut.result()
-            except Exception as e:  # CompileError and its kin: the trial fails with the reason
-                errors[name] = f"compile {name}: {type(e).__name__}: {_first_lines(e)}"
-        failures = {}
-        for name, group in needed.items():
-            reasons = [errors[s.name] for s in group if s.name in errors]
-            if reasons:
-                failures[name] = reasons[0]
-        return failures
+        compile_cubin(program)
 
     # ---- measure ------------------------------------------------------------------------------
     def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
@@ -340,5 +326,3 @@ def _paged(k, v, key: TuneKey, batch: int, length: int, seed: int):
     return kp, vp, table
 
 
-def _first_lines(exc: BaseException, lines: int = 6) -> str:
-    return "\n".join(str(exc).strip().splitlines()[:lines])

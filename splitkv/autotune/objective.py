@@ -26,8 +26,10 @@ class ContextLost(TrialFailed):
 
 
 class Objective:
-    """``prepare(specs)`` gets candidates ready (compiles them, in parallel) and returns the
-    reason each one that failed did; ``runs(spec)`` says what the runtime launches for a candidate
+    """``programs(spec)`` names what must be compiled before a candidate is measured, and
+    ``compile(program)`` compiles one (on a worker thread, see `splitkv.autotune.compiling`);
+    ``prepare(specs)`` compiles candidates all at once and returns the reason each one that failed
+    did; ``runs(spec)`` says what the runtime launches for a candidate
     on the bucket (None: the built-in choice), so that candidates launching the same programs in
     the same plan are measured once (a tuned dense program, say, where the planner splits, runs the
     built-in split program); ``measure(spec)`` times one, planned as the runtime plans it, and
@@ -35,9 +37,24 @@ class Objective:
     it fails (None: it passes). ``name`` says what the figures are."""
 
     name = "objective"
+    #: Programs compiled at a time.
+    jobs = 1
+
+    def programs(self, spec) -> list:
+        """What must be compiled before ``spec`` is measured: none for an objective that compiles nothing."""
+        return []
+
+    def compile(self, program) -> None:
+        """Compile one program of `programs`; raises when it fails."""
 
     def prepare(self, specs) -> dict:
-        return {}
+        """Compile the candidates' programs at once; {name: reason} of the candidates that failed."""
+        from .compiling import Compiler
+
+        with Compiler(self) as compiler:
+            pending = {spec.name: compiler.submit(spec) for spec in specs}
+            failures = {name: compiler.failure(p) for name, p in pending.items()}
+        return {name: reason for name, reason in failures.items() if reason}
 
     def runs(self, spec) -> str:
         """What the candidate launches on the bucket: equal strings, equal launches. Raises

@@ -31,6 +31,7 @@ import os
 import socket
 import time
 import warnings
+from concurrent import futures
 from pathlib import Path
 
 from . import lookup, space
@@ -47,7 +48,7 @@ CONFIRM_ROUNDS = 3
 MARGIN = 0.01
 #: Asks per study at most, as a multiple of the trials asked for (invalid or repeated candidates
 #: are asked for again, but not forever: a small space runs out of new candidates).
-MAX_ASKS = 8
+MAX_ASKS = 10
 _HOST = socket.gethostname()
 #: Prefix of the study attributes holding one process's seconds per phase (see `_Clock`).
 SECONDS_ATTR = "seconds"
@@ -228,61 +229,92 @@ def run_trials(study, key: TuneKey, arch: str, objective: Objective, *, trials: 
 
 @dataclasses.dataclass
 class _Searching:
-    """One study of `run_studies`: its objective, progress bar, clock, and the batch it asked for."""
+    """One study of `run_studies`: its objective, progress bar, clock, what it knows, and its
+    trials in flight (asked, compiling or compiled, not yet told): (trial, spec, pending programs)."""
 
     study: object
     objective: Objective
     progress: object
     clock: _Clock
     known: "_Known | None" = None
-    asked: list = dataclasses.field(default_factory=list)
+    flight: list = dataclasses.field(default_factory=list)
 
 
 def run_studies(runs, key: TuneKey, arch: str, *, trials: int, timeout: float | None = None,
                 batch: int = BATCH) -> int:
     """`run_trials` for several studies of one key at once, ``runs`` being (study, objective,
-    progress) of each bucket: every round asks each unfinished study for its batch, compiles the
-    candidates of all of them together, then measures each study's own. The buckets of a key search
-    the same programs, and a round of compiles takes as long as its slowest program (about a second
-    on an H200 host) whether it holds one program or as many as there are CPUs: one round serves
-    every bucket instead of one round per bucket. The round's compile seconds are shared equally
-    among its studies' clocks. ``timeout`` bounds the whole call."""
+    progress) of each bucket (the buckets of a key search the same programs).
+
+    A pipeline: each study keeps up to ``batch`` candidates in flight, whose programs compile on a
+    thread pool (`Compiler`, ``objective.jobs`` at a time, each program once for all the studies),
+    while the GPU measures whichever candidate is compiled first and the study that measured it asks
+    for the next. The GPU waits only when nothing compiled is left to measure; that wait is the
+    'compile' phase, shared equally among the studies waiting. ``timeout`` stops the asking for the
+    whole call; what is in flight is still measured."""
+    from .compiling import Compiler
+
     start = time.monotonic()
-    measured_here = 0
     states = []
     for study, objective, progress in runs:
         fail_interrupted(study)
         states.append(_Searching(study, objective, progress, _Clock(study)))
-    while True:
-        timed_out = timeout is not None and time.monotonic() - start > timeout
-        round_ = []
-        for run in states:
-            run.known = _Known(run.study)  # each round: other workers' figures count too
-            left = trials - len(measured(run.study))
-            if timed_out or left <= 0 or len(finished(run.study)) >= MAX_ASKS * trials:
+        states[-1].clock.add("compile", 0.0)  # a phase of every search, even one that never waits
+    if not states:
+        return 0
+    measured_here = 0
+    compiler = Compiler(states[0].objective)
+    try:
+        while True:
+            if timeout is None or time.monotonic() - start <= timeout:
+                for run in states:
+                    _fill(run, compiler, key, arch, trials, batch)
+            ready = next(((run, item) for run in states for item in run.flight if compiler.ready(item[2])), None)
+            if ready is None:
+                waiting = [run for run in states if run.flight]
+                if not waiting:
+                    return measured_here
+                begun = time.monotonic()
+                futures.wait([f for run in waiting for _, _, pending in run.flight for _, f in pending],
+                             return_when=futures.FIRST_COMPLETED)
+                for run in waiting:
+                    run.clock.add("compile", (time.monotonic() - begun) / len(waiting))
                 continue
-            with run.clock.phase("sample"):
-                run.asked = _ask(run.study, key, arch, min(batch, left))
-            round_.append(run)
-        if not round_:
-            return measured_here
-        try:
-            new = {spec.name: spec for run in round_ for _, spec in run.asked if spec.name not in run.known.by_spec}
-            compile_start = time.monotonic()
+            run, (trial, spec, pending) = ready
+            run.flight.remove(ready[1])
             try:
-                failures = round_[0].objective.prepare(list(new.values()))
-            finally:
-                for run in round_:
-                    run.clock.add("compile", (time.monotonic() - compile_start) / len(round_))
-            for run in round_:
                 with run.clock.phase("measure"):
-                    for trial, spec in run.asked:
-                        if _settle(run.study, trial, spec, run.objective, run.known, failures):
-                            measured_here += 1
-                            _advance(run.progress)
-        finally:  # a lost context still leaves the time it took
-            for run in round_:
+                    if _settle(run.study, trial, spec, run.objective, run.known, compiler.failure(pending)):
+                        measured_here += 1
+                        _advance(run.progress)
+            finally:  # a lost context still leaves the time it took
                 run.clock.flush()
+    finally:
+        compiler.close()
+        for run in states:  # stopped by an error: what was in flight is failed, and measured by no one
+            for trial, _, _ in run.flight:
+                trial.set_user_attr("interrupted", True)
+                run.study.tell(trial, state=_optuna().trial.TrialState.FAIL)
+            run.flight.clear()
+            run.clock.flush()
+
+
+def _fill(run: _Searching, compiler, key: TuneKey, arch: str, trials: int, batch: int) -> None:
+    """Ask ``run``'s study for candidates until ``batch`` are in flight, or as many as its trials
+    still need, or its asks are spent; candidates it measured before are told their figure at once
+    (and asked for again), the others start compiling."""
+    while True:
+        in_flight = len(run.flight)
+        left = trials - len(measured(run.study)) - in_flight
+        room = min(batch - in_flight, left, MAX_ASKS * trials - len(finished(run.study)) - in_flight)
+        if room <= 0:
+            return
+        run.known = _Known(run.study)  # other workers' figures count too
+        with run.clock.phase("sample"):
+            for trial, spec in _ask(run.study, key, arch, room):
+                if spec.name in run.known.by_spec:  # the sampler came back to a measured point
+                    _settle(run.study, trial, spec, run.objective, run.known, None)
+                else:
+                    run.flight.append((trial, spec, compiler.submit(spec)))
 
 
 def _ask(study, key: TuneKey, arch: str, count: int) -> list:
@@ -325,10 +357,11 @@ class _Known:
         self.by_launch.setdefault(runs, (value, number))
 
 
-def _settle(study, trial, spec, objective: Objective, known: _Known, failures: dict) -> bool:
+def _settle(study, trial, spec, objective: Objective, known: _Known, failure: str | None) -> bool:
     """Tell ``trial`` what ``spec`` gives: a figure already known (a candidate measured before, or
-    one that launches the same on the bucket: not measured, returns False), its compile failure,
-    or a measurement (returns True, also when it failed). `ContextLost` is raised once told."""
+    one that launches the same on the bucket: not measured, returns False), its compile
+    ``failure``, or a measurement (returns True, also when it failed). `ContextLost` is raised once
+    told."""
     optuna = _optuna()
     complete, fail = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL
     if spec.name in known.by_spec:  # the sampler came back to a measured point: its figure stands
@@ -337,8 +370,8 @@ def _settle(study, trial, spec, objective: Objective, known: _Known, failures: d
             trial.set_user_attr("runs", runs)
         _tell(study, trial, value, complete, None, repeat_of=number)
         return False
-    if spec.name in failures:
-        _tell(study, trial, None, fail, failures[spec.name])
+    if failure:
+        _tell(study, trial, None, fail, failure)
         return True
     try:
         runs = objective.runs(spec)

@@ -31,6 +31,8 @@ values), so the whole block decodes to NaN. The GPU quantizer also reports them 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .spec import NVFP4_BLOCK, QUANTIZE_FORMATS  # NVFP4_BLOCK: elements per NVFP4 block scale
@@ -163,15 +165,27 @@ def quantize_reference(x: np.ndarray, kv_format: str, scale) -> tuple[np.ndarray
     return values, block_codes
 
 
-def dequantize_reference(values: np.ndarray, block_scales: np.ndarray | None, kv_format: str,
-                         scale) -> np.ndarray:
-    """float64 ``[..., num_kv_heads, head_dim]`` from stored values (and NVFP4 block scales)."""
+def dequantize_reference(values, block_scales, kv_format: str, scale, xp=np):
+    """float64 ``[..., num_kv_heads, head_dim]`` from stored values (and NVFP4 block scales).
+    ``xp`` is the array module of ``values`` and ``block_scales`` (NumPy, or CuPy to stay on the
+    GPU); ``scale`` is on the host. Codes are decoded through tables of `decode_e4m3` and
+    `decode_e2m1` over every code, so both modules give the same values."""
     check_format(kv_format)
-    values = np.asarray(values, np.uint8)
-    heads = head_scales(scale, values.shape[-2]).astype(np.float64)
+    values = xp.asarray(values, dtype=xp.uint8)
+    heads = xp.asarray(head_scales(scale, values.shape[-2]).astype(np.float64))
+    e4m3 = xp.asarray(_decoded_codes("e4m3"))
     if kv_format == "fp8_e4m3":
-        return decode_e4m3(values) * heads
-    elements = np.stack([decode_e2m1(values & 0xF), decode_e2m1(values >> 4)], axis=-1)
+        return e4m3[values] * heads
+    e2m1 = xp.asarray(_decoded_codes("e2m1"))
+    elements = xp.stack([e2m1[values & 0xF], e2m1[values >> 4]], axis=-1)
     elements = elements.reshape(*values.shape[:-1], -1, NVFP4_BLOCK)
-    block = decode_e4m3(block_scales)[..., None]
+    block = e4m3[xp.asarray(block_scales, dtype=xp.uint8)][..., None]
     return (elements * block).reshape(*values.shape[:-1], -1) * heads
+
+
+@functools.lru_cache(maxsize=None)
+def _decoded_codes(code: str) -> np.ndarray:
+    """float64 value of every code of 'e4m3' (256, NaN for the NaN codes) or 'e2m1' (16)."""
+    if code == "e4m3":
+        return decode_e4m3(np.arange(256, dtype=np.uint8))
+    return decode_e2m1(np.arange(16, dtype=np.uint8))

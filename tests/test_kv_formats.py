@@ -259,3 +259,22 @@ def test_host_positions_and_tables_are_checked_not_cast():
                        ((device, None, [[0]]), "block_table")):
         with pytest.raises(ValueError, match=f"{name}: while the stream is captured"):
             _check_capturable(*args)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "nvfp4"])
+def test_dequantizing_through_code_tables_gives_the_decoded_values(kv_format):
+    """Every code (both nibbles, every block scale) decodes as ml_dtypes decodes it, times the scales."""
+    rng = np.random.default_rng(5)
+    values = rng.integers(0, 256, size=(3, 4, 64), dtype=np.uint8)
+    values[0, 0, :] = np.arange(64)  # the low codes; the rest are random
+    blocks = rng.integers(0, 256, size=(3, 4, 128 // NVFP4_BLOCK), dtype=np.uint8) if kv_format == "nvfp4" else None
+    scale = np.array([0.5, 2.0, 1.0, 3.0], np.float32)
+    got = dequantize_reference(values, blocks, kv_format, scale)
+    if kv_format == "fp8_e4m3":
+        want = values.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale[:, None]
+    else:
+        nibbles = np.stack([values & 0xF, values >> 4], axis=-1).reshape(3, 4, 128)
+        elements = nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+        block = np.repeat(blocks.view(ml_dtypes.float8_e4m3fn).astype(np.float64), NVFP4_BLOCK, axis=-1)
+        want = elements * block * scale[:, None]
+    np.testing.assert_array_equal(got, want)

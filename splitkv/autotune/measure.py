@@ -222,10 +222,10 @@ class BucketInputs:
         v16 = _random(rng, (batch, length, hkv, d), "bf16" if quantized else key.kv_dtype)
         if quantized:
             k, v = splitkv.quantize_kv(k16, key.kv_dtype), splitkv.quantize_kv(v16, key.kv_dtype)
-            k_host, v_host = k.dequantize_reference(), v.dequantize_reference()  # float64, on the host
+            k64, v64 = k.dequantize_reference(on_device=True), v.dequantize_reference(on_device=True)
 
             def values(b, n):
-                return cupy.asarray(k_host[b, :n]), cupy.asarray(v_host[b, :n])
+                return k64[b, :n], v64[b, :n]
             kv_bytes = sum(_nbytes(x) for x in (k.values, k.block_scales, v.values, v.block_scales))
         else:
             k, v = k16, v16

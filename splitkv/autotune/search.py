@@ -238,6 +238,7 @@ class _Searching:
     clock: _Clock
     known: "_Known | None" = None
     flight: list = dataclasses.field(default_factory=list)
+    spent: bool = False  # asks for nothing more
 
 
 def run_studies(runs, key: TuneKey, arch: str, *, trials: int, timeout: float | None = None,
@@ -274,7 +275,7 @@ def run_studies(runs, key: TuneKey, arch: str, *, trials: int, timeout: float | 
                 if not waiting:
                     return measured_here
                 begun = time.monotonic()
-                futures.wait([f for run in waiting for _, _, pending in run.flight for _, f in pending],
+                futures.wait([f for run in waiting for _, _, pending in run.flight for _, f in pending if not f.done()],
                              return_when=futures.FIRST_COMPLETED)
                 for run in waiting:
                     run.clock.add("compile", (time.monotonic() - begun) / len(waiting))
@@ -302,12 +303,15 @@ def _fill(run: _Searching, compiler, key: TuneKey, arch: str, trials: int, batch
     """Ask ``run``'s study for candidates until ``batch`` are in flight, or as many as its trials
     still need, or its asks are spent; candidates it measured before are told their figure at once
     (and asked for again), the others start compiling."""
-    while True:
+    while not run.spent and len(run.flight) < batch:
         in_flight = len(run.flight)
-        left = trials - len(measured(run.study)) - in_flight
-        room = min(batch - in_flight, left, MAX_ASKS * trials - len(finished(run.study)) - in_flight)
+        room = min(trials - len(measured(run.study)), MAX_ASKS * trials - len(finished(run.study))) - in_flight
         if room <= 0:
+            # With nothing in flight, its trials are measured or its asks used up: for good. (What is
+            # in flight may yet be a repeat, which counts for nothing and is asked for again.)
+            run.spent = not in_flight
             return
+        room = min(room, batch - in_flight)
         run.known = _Known(run.study)  # other workers' figures count too
         with run.clock.phase("sample"):
             for trial, spec in _ask(run.study, key, arch, room):

@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     harness.flush_us = harness.flush_time_us()
     rng = cupy.random.default_rng(0)
     num_sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    header = ("| case | units µs (plan host µs) | default µs | dense µs | uniform split µs | best fixed split µs (splits) | "
-              "units / best fixed | uniform / units | FlashInfer µs |")
+    header = ("| case | units µs (plan host µs) | default µs | dense µs | uniform split µs | "
+              "best fixed split µs (splits) | units / best fixed | uniform / units | FlashInfer µs |")
     lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     print(header, flush=True)
     rows = []
@@ -155,8 +155,8 @@ def main(argv=None) -> int:
                "fixed_us": fixed, "best_fixed_splits": best_splits, "best_fixed_us": best,
                "flashinfer_us": fi_us, "units_plan": units_attn.plan_info, "default_plan": default_attn.plan_info}
         rows.append(row)
-        line = (f"| {case.label} | {units_us:.1f} ({row['plan_host_us']:.0f}) | {default_us:.1f} | {dense_us:.1f} | {uniform_us:.1f} "
-                f"({uniform}) | {best:.1f} ({best_splits}) | {units_us / best:.3f} | {uniform_us / units_us:.2f}x | "
+        line = (f"| {case.label} | {units_us:.1f} ({row['plan_host_us']:.0f}) | {default_us:.1f} | {dense_us:.1f} | "
+                f"{uniform_us:.1f} ({uniform}) | {best:.1f} ({best_splits}) | {units_us / best:.3f} | {uniform_us / units_us:.2f}x | "
                 + (f"{fi_us:.1f}" if fi_us else "n/a") + " |")
         lines.append(line)
         print(line + f"  [units: {units_attn.plan_info}] [default: {default_attn.plan_info}]", flush=True)

@@ -1,10 +1,13 @@
 """`splitkv-gen --arch sm90 --tune ...`: tune every (key, bucket) asked for, write the table.
 
-In one process by default, on the current GPU. ``--devices 0,1`` starts one worker process per
-listed GPU (a GPU may be listed twice: two workers share it); the workers share each study's trials
-through ``--storage``, and this process then confirms each study's winners on the first device and
-writes the table. A run that is stopped resumes from the storage: finished trials are kept, and
-the table is written after every study, so what was finished is never lost.
+A key's studies (one per bucket) are searched together, then each is confirmed and its entry
+written at once (`_tune_key`). In one process by default, on the current GPU. ``--devices 0,1``
+starts one worker process per listed GPU (a GPU may be listed twice: two workers share it); each
+worker tunes whole keys, starting at its share of the key list and leaving a key another live
+worker claimed, and keeps each confirmed entry in ``--storage``; this process then reads the
+entries back, tunes whatever a stopped worker left, and prints the summary. A run that is stopped
+resumes from the storage: finished trials and confirmed entries are kept, and the table is written
+after every study, so what was finished is never lost.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""One Optuna study per (GPU model, key, bucket): ask for candidates in batches, prune the invalid
-ones before compiling, compile a batch at once, measure each, tell the results.
+"""One Optuna study per (GPU model, key, bucket); a key's studies are searched together: ask for
+candidates, prune the invalid ones before compiling, compile them on a thread pool while the GPU
+measures those already compiled, tell the results.
 
 Resumable and shareable: the study lives in the Optuna storage given (an SQLite or PostgreSQL URL,
 a journal file, or memory). Every told trial is in the storage at once, so a run that is killed
 loses at most the trials it was measuring; a later run (or another worker on the same storage)
 counts the measured trials and runs only the rest. Trials a killed process left RUNNING on this
-host are failed as interrupted when the study is next searched here (they do not count).
+host are failed as interrupted when the study is next searched here (they do not count). A
+confirmed outcome is kept in its study (`save_outcome`), and a process tuning a key marks it
+(`claim`), so that workers tune keys apart and the parent of the workers reads their entries back.
 
 ``--trials`` counts measured candidates: invalid combinations (pruned before compiling),
 candidates the sampler returns to, and candidates that launch what a measured one launched on the
@@ -39,7 +42,7 @@ from .keys import Bucket, TuneKey
 from .objective import ContextLost, Measurement, Objective, TrialFailed
 from .tables import Entry, today
 
-#: Candidates asked for at once (compiled together).
+#: Candidates each study keeps in flight (asked, compiling or waiting for the GPU).
 BATCH = 8
 #: Best candidates measured again against the built-in choice before one is written.
 CONFIRM_TOP = 3
@@ -47,14 +50,15 @@ CONFIRM_ROUNDS = 3
 #: How much faster than the built-in choice a candidate must be, in the final round, to replace it.
 MARGIN = 0.01
 #: Asks per study at most, as a multiple of the trials asked for (invalid or repeated candidates
-#: are asked for again, but not forever: a small space runs out of new candidates).
+#: are asked for again, but not forever: a small space runs out of new candidates). Candidates in
+#: flight make the sampler return to points more often than batches told at once did.
 MAX_ASKS = 10
 _HOST = socket.gethostname()
 #: Prefix of the study attributes holding one process's seconds per phase (see `_Clock`).
 SECONDS_ATTR = "seconds"
-#: The phases, in the order the summary shows them: asking the sampler, compiling candidates,
-#: measuring them (planning, checking against the reference, timing), confirming the winner. Not
-#: counted: building the study's inputs, the storage reads between batches, `exhaustive`.
+#: The phases, in the order the summary shows them: asking the sampler, waiting for candidates to
+#: compile (the GPU idle), measuring them (planning, checking against the reference, timing),
+#: confirming the winner. Not counted: building the study's inputs, storage reads, `exhaustive`.
 PHASES = ("sample", "compile", "measure", "confirm")
 
 

@@ -346,16 +346,17 @@ class DecodeAttention:
         return plan
 
     def _use_tuned(self, rows: int, max_len: int) -> bool:
-        """Take the programs of the tuned entry nearest this workload; True when the plan must be
-        dense (`lookup.forces_dense`)."""
+        """Take the programs of the tuned entry nearest this workload (`lookup.programs_for`); True
+        when the plan must be dense."""
         entry = self._tuned.entry_for(rows, max_len)
-        split, dense, dense_only = lookup.programs(entry.spec if entry else None, self.arch, self._tuned.key)
+        split, dense, forced = lookup.programs_for(entry.spec if entry else None, self.arch, self._tuned.key, rows,
+                                                   self.num_sms)
         if split != self.split_spec:
             self.split_spec = split
             self._whole_row_clusters = takes_whole_row_clusters(split)
             self._cluster_fit.clear()
         self.dense_spec, self.tuned_entry = dense, entry
-        return lookup.forces_dense(dense_only, rows, self.num_sms)
+        return forced
 
     def _device_lens(self, seq_lens, lens: np.ndarray):
         """The lengths the programs read: the caller's device array (lengths it rewrites in place

@@ -433,7 +433,7 @@ def test_runtime_launches_the_tuned_split_program(fake_gpu):
 def test_runtime_launches_the_tuned_dense_program(fake_gpu):
     """Batches nearest bucket b32-l4k whose rows fill the GPU run the table's dense program, never
     split; nearer batches of fewer rows than SMs are left to the planner, which splits them with
-    the built-in split program."""
+    the built-in split program or runs them dense with the built-in dense program."""
     _runtime_table(fake_gpu)
     attn = splitkv.DecodeAttention(32, 8, 128)
     launched = _launched(fake_gpu, attn, [4096] * 32)
@@ -447,6 +447,11 @@ def test_runtime_launches_the_tuned_dense_program(fake_gpu):
     launched = _launched(fake_gpu, attn, [16384] * 8)
     assert attn.tuned_entry.bucket.name == "b32-l4k"
     assert attn._launch.plan.variant == "split" and _shape(launched) == _shape(default_spec(ARCH, 128, 4))
+    # 16 x 8 rows, nearest it as well, nearly fill the SMs: the planner runs them dense, one CTA per
+    # SM, a regime the tuned program was not measured in: the built-in dense program.
+    launched = _launched(fake_gpu, attn, [4096] * 16)
+    assert attn.tuned_entry.bucket.name == "b32-l4k" and attn._launch.plan.variant == "dense"
+    assert _shape(launched) == _shape(default_spec(ARCH, 128, 4, variant="dense"))
     # A built-in entry (b1-l2k) puts the heuristic's programs back.
     launched = _launched(fake_gpu, attn, [2048])
     assert attn.tuned_entry.spec is None

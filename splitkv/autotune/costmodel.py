@@ -41,10 +41,10 @@ class CostModelObjective(Objective):
 def launched(spec: KernelSpec | None, key: TuneKey, bucket: Bucket, arch: str) -> KernelSpec:
     """The program the runtime launches for a candidate (None: the built-in choice) on the bucket,
     in this model's planner: dense where the rows fill the SMs (or a tuned dense program forces
-    it), else split (see `lookup.programs`)."""
-    split, dense, dense_only = lookup.programs(spec, arch, key)
+    it), else split (see `lookup.programs_for`)."""
     rows = bucket.batch * REFERENCE_KV_HEADS
-    return dense if rows >= NUM_SMS or lookup.forces_dense(dense_only, rows, NUM_SMS) else split
+    split, dense, forced = lookup.programs_for(spec, arch, key, rows, NUM_SMS)
+    return dense if rows >= NUM_SMS or forced else split
 
 
 def predict_us(spec: KernelSpec, bucket: Bucket) -> float:

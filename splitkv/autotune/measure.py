@@ -41,6 +41,7 @@ class GpuObjective(Objective):
         self.key, self.bucket = key, bucket
         device = cupy.cuda.Device()
         self.arch = "sm_" + device.compute_capability
+        self.num_sms = device.attributes["MultiProcessorCount"]
         self.jobs = jobs
         self.iters = iters
         self.harness = Harness(iters, warmup, FLUSH_BYTES)
@@ -124,12 +125,14 @@ class GpuObjective(Objective):
         if spec is None:
             attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, tuned=False, **paging)
         else:
-            split, dense, dense_only = lookup.programs(spec, self.arch, k)
+            if variant is None:  # as the runtime takes a tuned entry for these rows
+                split, dense, forced = lookup.programs_for(spec, self.arch, k, len(inp.seq_lens) * REFERENCE_KV_HEADS,
+                                                           self.num_sms)
+                variant = "dense" if forced else None
+            else:  # the candidate's own programs, forced
+                split, dense, _ = lookup.programs(spec, self.arch, k)
             attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, spec=split, dense_spec=dense,
                                    **paging)
-            if variant is None and lookup.forces_dense(dense_only, len(inp.seq_lens) * REFERENCE_KV_HEADS,
-                                                       attn.num_sms):
-                variant = "dense"
         attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
         return attn
 

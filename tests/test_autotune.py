@@ -934,9 +934,9 @@ def test_tuning_compiles_with_jobs_given_or_the_cpus_shared_by_the_workers(monke
 
 def test_workers_tune_keys_apart_and_the_parent_reads_their_outcomes(tmp_path, monkeypatch, capsys):
     """Worker 2 of 2 starts at the second half of the keys, confirms and writes what it tunes, and
-    leaves a key another live process claimed; the parent then takes the worker's saved outcome
-    without confirming again, and tunes only what was left. A saved outcome stands only for the
-    trials and settings it was confirmed with."""
+    leaves a key another live worker of its run claimed (a claim of an earlier run is stale); the
+    parent then takes the worker's saved outcome without confirming again, and tunes only what was
+    left. A saved outcome stands only for the trials and settings it was confirmed with."""
     pytest.importorskip("optuna")
     from splitkv.autotune import cli as tune_cli
 
@@ -950,9 +950,12 @@ def test_workers_tune_keys_apart_and_the_parent_reads_their_outcomes(tmp_path, m
         name = keys.study_name("", "cost model", "sm_90", key, bucket, keys.code_version())
         return search.open_study(name, str(tmp_path / "j.log"))
 
-    study_of(g1).set_user_attr(search.CLAIM_ATTR, dict(host=search._HOST, pid=os.getppid()))  # alive
+    # g1: claimed by a live worker of this run; g4: by a live process of an earlier run (stale).
+    study_of(g1).set_user_attr(search.CLAIM_ATTR, dict(host=search._HOST, pid=os.getppid(), run="this run"))
+    study_of(g4).set_user_attr(search.CLAIM_ATTR, dict(host=search._HOST, pid=os.getppid(), run="an old run"))
     monkeypatch.setenv(tune_cli.WORKER_ENV, "2")
     monkeypatch.setenv(tune_cli.WORKERS_ENV, "2")
+    monkeypatch.setenv(tune_cli.RUN_ENV, "this run")
     assert cli.main([*argv, tune_cli.WORKER_FLAG]) == 0
     assert len(search.measured(study_of(g4))) == 8 and search.OUTCOME_ATTR in study_of(g4).user_attrs
     assert len(search.measured(study_of(g1))) == 0  # claimed by another live process: left to it
@@ -977,6 +980,100 @@ def test_workers_tune_keys_apart_and_the_parent_reads_their_outcomes(tmp_path, m
     assert search.saved_outcome(study_of(g4), ARCH, 8, settings).entry == written
     assert search.saved_outcome(study_of(g4), ARCH, 9, settings) is None  # more trials asked for
     assert search.saved_outcome(study_of(g4), ARCH, 8, {**settings, "iters": 99}) is None
+
+
+def test_a_study_whose_asks_ran_out_keeps_its_confirmed_outcome():
+    """A study that ends below --trials because its asks ran out (few candidates launch anything
+    new) keeps its saved outcome for a rerun with the same trials; more trials asked for, or
+    another planner, confirm it again."""
+    pytest.importorskip("optuna")
+    bucket = BUCKETS_BY_NAME["b32-l4k"]
+    study, obj = memory_study(), Recording(bucket="b32-l4k")
+    search.enqueue_defaults(study, KEY, bucket, ARCH)
+    search.run_trials(study, KEY, ARCH, obj, trials=40)
+    count = len(search.measured(study))
+    assert count < 40 and len(search.finished(study)) >= search.MAX_ASKS * 40  # its asks ran out
+    outcome = search.finish(study, KEY, bucket, ARCH, obj)
+    settings = dict(iters=20, planner="a")
+    search.save_outcome(study, outcome, settings, 40)
+    assert search.saved_outcome(study, ARCH, 40, settings).entry.to_dict() == outcome.entry.to_dict()
+    assert search.saved_outcome(study, ARCH, 41, settings) is None
+    assert search.saved_outcome(study, ARCH, 40, dict(settings, planner="b")) is None
+
+
+def test_a_candidate_that_failed_is_not_measured_or_counted_again():
+    """The sampler returns to failed candidates (TPE learns nothing from a failure): such a return
+    is told failed at once, as a repeat, and does not count as a measured trial."""
+    pytest.importorskip("optuna")
+    study, obj = memory_study(), Recording(fails=lambda s: s.stages == 3)
+    search.enqueue_defaults(study, KEY, keys.parse_bucket("b1-l2k"), ARCH)
+    search.run_trials(study, KEY, ARCH, obj, trials=24)
+    counted = [t.user_attrs["spec"] for t in search.measured(study)]
+    assert len(counted) == 24 and len(counted) == len(set(counted))
+    failed_names = [s.name for s in obj.measured if s is not None and s.stages == 3]
+    assert failed_names and len(failed_names) == len(set(failed_names))  # each failure measured once
+
+
+def test_an_error_while_measuring_leaves_no_trial_running():
+    """Whatever stops the search (here Ctrl-C inside a measurement), the trial being measured and
+    those in flight are failed as interrupted: none stays RUNNING, none counts."""
+    pytest.importorskip("optuna")
+    study, obj = memory_study(), Recording()
+    search.enqueue_defaults(study, KEY, keys.parse_bucket("b1-l2k"), ARCH)
+    calls = []
+
+    def measure(spec, iters=None):
+        calls.append(spec)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return Recording.measure(obj, spec, iters)
+    obj.measure = measure
+    with pytest.raises(KeyboardInterrupt):
+        search.run_trials(study, KEY, ARCH, obj, trials=10)
+    assert not [t for t in study.trials if t.state.name == "RUNNING"]
+    interrupted = [t for t in study.trials if "interrupted" in t.user_attrs]
+    assert interrupted and len(search.measured(study)) == 2
+
+
+def test_a_program_that_failed_for_a_passing_reason_is_compiled_again():
+    """A compile that failed for good (NVRTC refused) is not tried again; one that failed otherwise
+    (a full disk, say) is, for the next candidate that needs it."""
+    from splitkv.autotune.compiling import Compiler
+
+    attempts = []
+
+    class Flaky(Recording):
+        def compile(self, program):
+            attempts.append(program.name)
+            raise OSError("no space left") if len(attempts) == 1 else RuntimeError("refused")
+
+        def failure_is_final(self, error):
+            return not isinstance(error, OSError)
+
+    spec = default_spec(ARCH, 128, 4)
+    with Compiler(Flaky()) as compiler:
+        first = compiler.submit(spec)
+        assert "OSError" in compiler.failure(first)
+        second = compiler.submit(spec)
+        assert "RuntimeError" in compiler.failure(second)
+        assert "RuntimeError" in compiler.failure(compiler.submit(spec))
+    assert attempts == [spec.name, spec.name]
+
+
+def test_the_parent_tunes_what_a_failed_worker_left(tmp_path, monkeypatch, capsys):
+    """Workers that exit with an error (killed, say) leave studies untuned: the parent tunes them,
+    prints the summary, and still says that something failed."""
+    pytest.importorskip("optuna")
+    from splitkv.autotune import cli as tune_cli
+
+    monkeypatch.setattr(tune_cli, "_run_workers", lambda args, devices, names: 1)
+    argv = ["--arch", "sm90", "--tune", "--cost-model", "--head-dim", "128", "--group", "4", "--dtype", "bf16",
+            "--bucket", "b1-l2k", "--trials", "6", "--storage", str(tmp_path / "j.log"), "--devices", "0,1",
+            "--out", str(tmp_path / "t")]
+    assert cli.main(argv) == 1
+    assert KEY.label in capsys.readouterr().out
+    (written,) = tables.load(tmp_path / "t" / "sm_90" / "cost_model.yaml").entries
+    assert written.key == KEY and written.trials == 6
 
 
 def test_worker_command_lines_drop_devices():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from .. import spec as spec_module
-from .keys import BUCKETS, TuneKey, code_version, parse_bucket, study_name
+from .keys import BUCKETS, TuneKey, code_version, parse_bucket, planner_version, study_name
 from .lookup import COST_MODEL_GPU
 
 #: Head dims, groups of the default tuning run (the shipped table); every K/V dtype of the arch.
@@ -34,6 +35,8 @@ WORKER_FLAG = "--tune-worker"
 #: A worker's index (from 1) among those of one run (mixed into its sampler's seed), and their number.
 WORKER_ENV = "SPLITKV_TUNE_WORKER"
 WORKERS_ENV = "SPLITKV_TUNE_WORKERS"
+#: The run a worker belongs to (its parent's host, pid and start), which its claims carry.
+RUN_ENV = "SPLITKV_TUNE_RUN"
 #: Exit status when a candidate left the GPU unusable (EX_TEMPFAIL: run it again to go on).
 EXIT_CONTEXT_LOST = 75
 #: Times a worker whose context was lost is started again.
@@ -63,7 +66,7 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("tuning (--tune)")
     g.add_argument("--trials", type=int, default=DEFAULT_TRIALS, metavar="N",
                    help=f"trials per study, counting those already in --storage (default {DEFAULT_TRIALS})")
-    g.add_argument("--timeout", type=float, default=None, metavar="S", help="stop a study's search after S seconds")
+    g.add_argument("--timeout", type=float, default=None, metavar="S", help="stop a key's search (its buckets' studies together) after S seconds")
     g.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage shared by workers and resumed runs: sqlite:///tune.db, postgresql://..., "
                         "or a journal file (tune.log)")
@@ -135,13 +138,12 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
           f"{args.trials} trials on {gpu['name']} ({arch})", file=sys.stderr)
     if args.tune_worker:
         return _work(args, arch, gpu, keys, buckets)
+    workers_rc = 0
     if workers:
-        rc = _run_workers(args, devices, [_study_name(args, gpu, arch, k, b) for k in keys for b in buckets])
-        if rc:
-            return rc
+        workers_rc = _run_workers(args, devices, [_study_name(args, gpu, arch, k, b) for k in keys for b in buckets])
     # The workers' outcomes are read back from the storage; what they left (nothing, unless one
     # stopped early) is tuned here.
-    return _tune_all(args, arch, gpu, keys, buckets)
+    return _tune_all(args, arch, gpu, keys, buckets) or workers_rc
 
 
 def _report_from(args, arch, keys, bucket_names) -> int:
@@ -214,7 +216,7 @@ def _check_gpu(arch: str, cost_model: bool):
 
 class _Lazy:
     """A study's objective, built at its first use (its inputs cost GPU memory and seconds) and
-    closed at the end of the study, so that one bucket's inputs are never held beside the next's."""
+    closed when its key is tuned, so that one key's inputs are never held beside the next's."""
 
     def __init__(self, build):
         self._build, self._objective = build, None
@@ -290,21 +292,23 @@ def _study(args, gpu, arch, key, bucket):
 
 def _work(args, arch, gpu, keys, buckets) -> int:
     """What a worker does: tune keys (search, confirm, write) until none is left that no other
-    process has claimed. Worker i of N starts at the i-th N-th of the keys and goes round, so the
-    workers start apart and meet only at the end; a key another live worker claimed is left to it."""
+    worker of its run has claimed. Worker i of N starts at the i-th N-th of the keys and goes round,
+    so the workers start apart and meet only at the end; a key another live worker of the run
+    claimed is left to it (claims of other runs are stale: see `search.claimed_elsewhere`)."""
     from . import search
     from .objective import ContextLost
 
     index = max(1, int(os.environ.get(WORKER_ENV, "1")))
     count = max(index, int(os.environ.get(WORKERS_ENV, "1")))
+    run = os.environ.get(RUN_ENV, f"{index} of {count}")
     first = (index - 1) * len(keys) // count
     failed = 0
     try:
         for key in keys[first:] + keys[:first]:
             lead = _study(args, gpu, arch, key, buckets[0])
-            if search.claimed_elsewhere(lead):
+            if search.claimed_elsewhere(lead, run):
                 continue
-            search.claim(lead)
+            search.claim(lead, run)
             failed += _tune_key(args, gpu, arch, key, buckets, overall=None, progress=False)[1]
     except ContextLost as e:
         return _context_lost(e)
@@ -319,8 +323,10 @@ class _TableUnwritable(OSError):
 
 
 def _settings(args) -> dict:
-    """What a study's confirmation depends on beyond its trials (see `search.save_outcome`)."""
-    return dict(iters=args.iters, exhaustive=bool(args.exhaustive), cost_model=bool(args.cost_model))
+    """What a study's confirmation depends on beyond its trials (see `search.save_outcome`): the
+    run's options, and the planner's code (a changed planner plans the candidates anew)."""
+    return dict(iters=args.iters, exhaustive=bool(args.exhaustive), cost_model=bool(args.cost_model),
+                planner=planner_version())
 
 
 def _tune_key(args, gpu, arch, key, buckets, overall, progress: bool) -> tuple[list, int]:
@@ -380,7 +386,7 @@ def _tune_key(args, gpu, arch, key, buckets, overall, progress: bool) -> tuple[l
             if outcome is None:
                 failed += 1
                 continue
-            search.save_outcome(studies[bucket], outcome, settings)
+            search.save_outcome(studies[bucket], outcome, settings, args.trials)
             _write(args, arch, gpu, [outcome.entry])
             outcomes[bucket] = outcome
     return [outcomes[b] for b in buckets if b in outcomes], failed
@@ -429,6 +435,7 @@ def _run_workers(args, devices, names) -> int:
     read from the shared storage while they run. A worker whose GPU context was lost (status 75)
     is started again, up to `WORKER_RESTARTS` times: it resumes past the candidate that did it."""
     argv = [sys.executable, "-m", "splitkv.cli", *_without_devices(args.argv), WORKER_FLAG]
+    run = f"{socket.gethostname()} {os.getpid()} {time.time():.0f}"  # this run's workers' claims
     if args.jobs is None:  # the workers compile at once on one host: each takes its share of the CPUs
         argv += ["--jobs", str(compile_jobs(None, len(devices)))]
     log_dir = Path(tempfile.mkdtemp(prefix="splitkv-tune-workers-"))
@@ -436,7 +443,7 @@ def _run_workers(args, devices, names) -> int:
 
     def start(index):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(devices[index]),
-                   **{WORKER_ENV: str(index + 1), WORKERS_ENV: str(len(devices))})
+                   **{WORKER_ENV: str(index + 1), WORKERS_ENV: str(len(devices)), RUN_ENV: run})
         return subprocess.Popen(argv, env=env, stdout=logs[index], stderr=subprocess.STDOUT)
 
     workers = [start(i) for i in range(len(devices))]

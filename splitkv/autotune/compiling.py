@@ -12,7 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 class Compiler:
     """`submit` a candidate's programs (``objective.programs``, compiled by ``objective.compile``);
-    `ready` says when they are done, `failure` why one of them failed."""
+    `ready` says when they are done, `failure` why one of them failed. A program that failed for
+    good (``objective.failure_is_final``) is not compiled again; one that failed otherwise is, when
+    the next candidate needs it."""
 
     def __init__(self, objective):
         self.objective = objective
@@ -24,7 +26,9 @@ class Compiler:
         pending = []
         for program in self.objective.programs(spec):
             future = self.futures.get(program.name)
-            if future is None:
+            if future is None or (future.done() and future.exception() is not None
+                                  and not self.objective.failure_is_final(future.exception())):
+                # New, or failed for a reason that may pass (a full disk, say): compiled (again).
                 future = self.futures[program.name] = self.pool.submit(self.objective.compile, program)
             pending.append((program.name, future))
         return pending

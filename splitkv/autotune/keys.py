@@ -170,3 +170,18 @@ def code_version() -> str:
         if path.is_file():
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:8]
+
+
+#: The modules whose code decides how a candidate is planned on a bucket (what it launches).
+_PLANNER_MODULES = ("plan.py", "work_units.py", "heuristics.py", "runtime.py", "autotune/lookup.py")
+
+
+@functools.lru_cache(maxsize=1)
+def planner_version() -> str:
+    """8 hex digits of the planner's code: a confirmed outcome kept in a study stands only while
+    the candidates would be planned the same (`splitkv.autotune.search.saved_outcome`)."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for name in _PLANNER_MODULES:
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
+    return digest.hexdigest()[:8]

@@ -69,6 +69,12 @@ class GpuObjective(Objective):
 
         compile_cubin(program)
 
+    def failure_is_final(self, error: BaseException) -> bool:
+        """NVRTC's refusal is; a cache folder that cannot be written, say, may not be."""
+        from ..codegen import CompileError
+
+        return isinstance(error, CompileError)
+
     # ---- measure ------------------------------------------------------------------------------
     def measure(self, spec: KernelSpec | None, iters: int | None = None) -> Measurement:
         inp = self.inputs

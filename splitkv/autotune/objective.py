@@ -47,6 +47,11 @@ class Objective:
     def compile(self, program) -> None:
         """Compile one program of `programs`; raises when it fails."""
 
+    def failure_is_final(self, error: BaseException) -> bool:
+        """Whether a program that failed to compile with ``error`` would fail again (else it is
+        compiled again when another candidate needs it)."""
+        return True
+
     def prepare(self, specs) -> dict:
         """Compile the candidates' programs at once; {name: reason} of the candidates that failed."""
         from .compiling import Compiler

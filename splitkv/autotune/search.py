@@ -177,9 +177,9 @@ def finished(study) -> list:
 def measured(study) -> list:
     """The finished trials that measured a candidate (or failed trying): what ``trials`` counts."""
     optuna = _optuna()
-    return [t for t in finished(study)
-            if (t.state == optuna.trial.TrialState.COMPLETE and "repeat_of" not in t.user_attrs)
-            or (t.state == optuna.trial.TrialState.FAIL and "interrupted" not in t.user_attrs)]
+    return [t for t in finished(study) if "repeat_of" not in t.user_attrs
+            and (t.state == optuna.trial.TrialState.COMPLETE
+                 or (t.state == optuna.trial.TrialState.FAIL and "interrupted" not in t.user_attrs))]
 
 
 def fail_interrupted(study) -> int:
@@ -285,7 +285,6 @@ def run_studies(runs, key: TuneKey, arch: str, *, trials: int, timeout: float | 
                     run.clock.add("compile", (time.monotonic() - begun) / len(waiting))
                 continue
             run, (trial, spec, pending) = ready
-            run.flight.remove(ready[1])
             try:
                 with run.clock.phase("measure"):
                     if _settle(run.study, trial, spec, run.objective, run.known, compiler.failure(pending)):
@@ -293,14 +292,29 @@ def run_studies(runs, key: TuneKey, arch: str, *, trials: int, timeout: float | 
                         _advance(run.progress)
             finally:  # a lost context still leaves the time it took
                 run.clock.flush()
+            run.flight.remove(ready[1])  # told: only now, so an error inside leaves it to the cleanup
     finally:
         compiler.close()
         for run in states:  # stopped by an error: what was in flight is failed, and measured by no one
             for trial, _, _ in run.flight:
-                trial.set_user_attr("interrupted", True)
-                run.study.tell(trial, state=_optuna().trial.TrialState.FAIL)
+                _fail_interrupted_trial(run.study, trial)
             run.flight.clear()
             run.clock.flush()
+
+
+def _fail_interrupted_trial(study, trial) -> None:
+    """Tell a trial in flight as failed and interrupted (it does not count); one already told (by
+    the `_settle` an error came out of) is left as it is, and a storage that refuses is warned
+    about, so the error that stopped the search is the one raised."""
+    optuna = _optuna()
+    try:
+        if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
+            return
+        trial.set_user_attr("interrupted", True)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    except Exception as e:  # noqa: BLE001 - the search's own error matters more
+        warnings.warn(f"splitkv: could not fail trial {trial.number} as interrupted: {type(e).__name__}: {e}",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _fill(run: _Searching, compiler, key: TuneKey, arch: str, trials: int, batch: int) -> None:
@@ -321,6 +335,9 @@ def _fill(run: _Searching, compiler, key: TuneKey, arch: str, trials: int, batch
             for trial, spec in _ask(run.study, key, arch, room):
                 if spec.name in run.known.by_spec:  # the sampler came back to a measured point
                     _settle(run.study, trial, spec, run.objective, run.known, None)
+                elif spec.name in run.known.failed:  # or to a failed one: failed again, not counted
+                    number, reason = run.known.failed[spec.name]
+                    _tell(run.study, trial, None, _optuna().trial.TrialState.FAIL, reason, repeat_of=number)
                 else:
                     run.flight.append((trial, spec, compiler.submit(spec)))
 
@@ -345,13 +362,18 @@ def _ask(study, key: TuneKey, arch: str, count: int) -> list:
 
 
 class _Known:
-    """The figures a study holds: by candidate (spec name -> figure, trial measured, launch) and by
-    what a candidate launches (launch -> figure, trial measured)."""
+    """The figures a study holds: by candidate (spec name -> figure, trial measured, launch), by
+    what a candidate launches (launch -> figure, trial measured), and the candidates that failed."""
 
     def __init__(self, study):
         optuna = _optuna()
         self.by_spec, self.by_launch = {}, {}
+        self.failed = {}  # spec name -> (trial that failed, reason)
         for t in finished(study):
+            if t.state == optuna.trial.TrialState.FAIL and "spec" in t.user_attrs \
+                    and "interrupted" not in t.user_attrs:
+                self.failed.setdefault(t.user_attrs["spec"], (t.user_attrs.get("repeat_of", t.number),
+                                                              t.user_attrs.get("reason") or "failed"))
             if t.state != optuna.trial.TrialState.COMPLETE:
                 continue
             number, runs = t.user_attrs.get("repeat_of", t.number), t.user_attrs.get("runs")
@@ -421,24 +443,28 @@ OUTCOME_ATTR = "outcome"
 CLAIM_ATTR = "claim"
 
 
-def save_outcome(study, outcome: Outcome, settings: dict) -> None:
+def save_outcome(study, outcome: Outcome, settings: dict, trials: int) -> None:
     """Keep ``outcome`` (its entry and confirmation figures) in the study, with the number of measured
-    trials it was confirmed on and the run's ``settings`` (what else the confirmation depends on:
-    timed calls, exhaustive comparison): a later run, or the parent of the workers, takes it from
+    trials it was confirmed on, the ``trials`` asked for, whether the study's asks were used up
+    (`MAX_ASKS`: a small space may end below ``trials`` for good) and the run's ``settings`` (what
+    else the confirmation depends on): a later run, or the parent of the workers, takes it from
     there instead of confirming again (`saved_outcome`)."""
     study.set_user_attr(OUTCOME_ATTR, dict(entry=outcome.entry.to_dict(), confirm=outcome.confirm,
                                            objective=outcome.objective, measured=len(measured(study)),
+                                           trials=trials, asks_spent=len(finished(study)) >= MAX_ASKS * trials,
                                            settings=settings))
 
 
 def saved_outcome(study, arch: str, trials: int, settings: dict) -> Outcome | None:
-    """The outcome `save_outcome` kept in the study, when it still stands: no trial measured since,
-    at least ``trials`` of them, the same ``settings``; else None."""
+    """The outcome `save_outcome` kept in the study, when it still stands: the same ``settings``, no
+    trial measured since, and at least ``trials`` of them (or, for a study whose asks were used up,
+    as many trials asked for then as now); else None."""
     saved = study.user_attrs.get(OUTCOME_ATTR)
     if not isinstance(saved, dict) or saved.get("settings") != settings:
         return None
     count = len(measured(study))
-    if saved.get("measured") != count or count < trials:
+    spent = saved.get("asks_spent") is True and isinstance(saved.get("trials"), int) and saved["trials"] >= trials
+    if saved.get("measured") != count or (count < trials and not spent):
         return None
     try:
         entry = Entry.from_dict(saved["entry"], arch)
@@ -448,16 +474,18 @@ def saved_outcome(study, arch: str, trials: int, settings: dict) -> Outcome | No
                    study_seconds(study))
 
 
-def claim(study) -> None:
-    """Mark the study as being tuned by this process (see `claimed_elsewhere`)."""
-    study.set_user_attr(CLAIM_ATTR, dict(host=_HOST, pid=os.getpid()))
+def claim(study, run: str) -> None:
+    """Mark the study as being tuned by this process, a worker of ``run`` (see `claimed_elsewhere`)."""
+    study.set_user_attr(CLAIM_ATTR, dict(host=_HOST, pid=os.getpid(), run=run))
 
 
-def claimed_elsewhere(study) -> bool:
-    """Whether another process claimed the study and may still be tuning it: a live process of this
-    host, or any process of another host (which this one cannot see)."""
+def claimed_elsewhere(study, run: str) -> bool:
+    """Whether another worker of the same ``run`` (one parent's workers) claimed the study and may
+    still be tuning it: a live process of this host, or any of another host (which this one cannot
+    see). Claims of other runs are stale (a killed run, another container): ignored."""
     owner = study.user_attrs.get(CLAIM_ATTR)
-    if not isinstance(owner, dict) or (owner.get("host"), owner.get("pid")) == (_HOST, os.getpid()):
+    if not isinstance(owner, dict) or owner.get("run") != run \
+            or (owner.get("host"), owner.get("pid")) == (_HOST, os.getpid()):
         return False
     return owner.get("host") != _HOST or _alive(owner.get("pid"))
 

@@ -66,7 +66,8 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("tuning (--tune)")
     g.add_argument("--trials", type=int, default=DEFAULT_TRIALS, metavar="N",
                    help=f"trials per study, counting those already in --storage (default {DEFAULT_TRIALS})")
-    g.add_argument("--timeout", type=float, default=None, metavar="S", help="stop a key's search (its buckets' studies together) after S seconds")
+    g.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop a key's search (its buckets' studies together) after S seconds")
     g.add_argument("--storage", default=None, metavar="URL",
                    help="Optuna storage shared by workers and resumed runs: sqlite:///tune.db, postgresql://..., "
                         "or a journal file (tune.log)")

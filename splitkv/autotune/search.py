@@ -333,11 +333,8 @@ def _fill(run: _Searching, compiler, key: TuneKey, arch: str, trials: int, batch
         run.known = _Known(run.study)  # other workers' figures count too
         with run.clock.phase("sample"):
             for trial, spec in _ask(run.study, key, arch, room):
-                if spec.name in run.known.by_spec:  # the sampler came back to a measured point
+                if spec.name in run.known.by_spec or spec.name in run.known.failed:  # a point tried before
                     _settle(run.study, trial, spec, run.objective, run.known, None)
-                elif spec.name in run.known.failed:  # or to a failed one: failed again, not counted
-                    number, reason = run.known.failed[spec.name]
-                    _tell(run.study, trial, None, _optuna().trial.TrialState.FAIL, reason, repeat_of=number)
                 else:
                     run.flight.append((trial, spec, compiler.submit(spec)))
 
@@ -400,8 +397,13 @@ def _settle(study, trial, spec, objective: Objective, known: _Known, failure: st
             trial.set_user_attr("runs", runs)
         _tell(study, trial, value, complete, None, repeat_of=number)
         return False
+    if spec.name in known.failed:  # a failed one (asked twice while in flight): failed again, not counted
+        number, reason = known.failed[spec.name]
+        _tell(study, trial, None, fail, reason, repeat_of=number)
+        return False
     if failure:
         _tell(study, trial, None, fail, failure)
+        known.failed[spec.name] = (trial.number, failure)
         return True
     try:
         runs = objective.runs(spec)
@@ -417,6 +419,7 @@ def _settle(study, trial, spec, objective: Objective, known: _Known, failure: st
         raise
     except TrialFailed as e:
         _tell(study, trial, None, fail, str(e))
+        known.failed[spec.name] = (trial.number, str(e))
         return True
     trial.set_user_attr("bandwidth_pct", m.bandwidth_pct)
     _tell(study, trial, m.us, complete, None)

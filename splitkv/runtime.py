@@ -172,6 +172,7 @@ class DecodeAttention:
         self._validated_layout: tuple | None = None
         self._extents: tuple = ()  # bytes each run() array spans, for the validated layout
         self._cluster_fit: dict[int, int | None] = {}
+        self._packed_dense: tuple | None = None  # (dense program, its warp-per-head form)
         self._workspace: dict[str, object] = {}
         self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
         self._order = streams.StreamOrder()  # plan() and run() in call order across streams
@@ -283,7 +284,7 @@ class DecodeAttention:
             warp_heads = wants_packed_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps, num_sms=self.num_sms)
         if warp_heads:
             plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps)
-        spec = self.dense_spec.replace(warp_heads=True) if plan.heads_per_cta > 1 else self.dense_spec
+        spec = self._packed_dense_spec() if plan.heads_per_cta > 1 else self.dense_spec
         if plan.variant == "split":
             plan, cluster = fit_clusters(plan, host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                          max_cluster=self.split_spec.cluster,
@@ -344,6 +345,13 @@ class DecodeAttention:
                                self._empty_kv_ptr(spec, max_planned), table)
         self._validated_layout = None
         return plan
+
+    def _packed_dense_spec(self) -> KernelSpec:
+        """The dense program with a warp per K/V head, kept while the dense program stays (building
+        and validating a spec is a sizeable part of a plan's host time)."""
+        if self._packed_dense is None or self._packed_dense[0] != self.dense_spec:
+            self._packed_dense = (self.dense_spec, self.dense_spec.replace(warp_heads=True))
+        return self._packed_dense[1]
 
     def _use_tuned(self, rows: int, max_len: int) -> bool:
         """Take the programs of the tuned entry nearest this workload (`lookup.programs_for`); True

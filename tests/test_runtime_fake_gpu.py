@@ -330,6 +330,12 @@ def test_batches_of_many_rows_get_a_warp_per_kv_head(fake_gpu):
     assert plan.variant == "dense" and plan.heads_per_cta == 1
     attn.run(*_qkv(16, 32, 8, 128, 4096), out=_DeviceArray((16, 32, 128)))
     assert not fake_gpu.launches[-1].spec.warp_heads and fake_gpu.launches[-1].grid == (1, 8, 16)
+    # The warp-per-head program is kept between plans, and follows the dense program when it changes.
+    attn.plan([1024] * 64)
+    assert attn._launch.spec is launch.spec
+    attn.dense_spec = attn.dense_spec.replace(stages=3)
+    attn.plan([1024] * 64)
+    assert attn._launch.spec == attn.dense_spec.replace(warp_heads=True) != launch.spec
 
 
 def test_warp_heads_can_be_forced_either_way_and_is_refused_where_it_cannot_run(fake_gpu):

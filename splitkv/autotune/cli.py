@@ -393,6 +393,13 @@ def _tune_key(args, gpu, arch, key, buckets, overall, progress: bool) -> tuple[l
     return [outcomes[b] for b in buckets if b in outcomes], failed
 
 
+def _header(arch, gpu) -> dict:
+    """The table header of this run's GPU."""
+    from . import tables
+
+    return tables.make_header(gpu["name"], arch, gpu["sm_count"], gpu["cuda_runtime"], gpu["nvrtc"], _version())
+
+
 def _confirmed(args, arch, key, bucket, study, objective):
     """`_finish`, with its failures said (None); a lost GPU context is raised."""
     from .objective import ContextLost, TrialFailed
@@ -417,9 +424,8 @@ def _write(args, arch, gpu, entries) -> None:
     path = _table_path(args, arch, gpu)
     if path is None:
         return
-    header = tables.make_header(gpu["name"], arch, gpu["sm_count"], gpu["cuda_runtime"], gpu["nvrtc"], _version())
     try:
-        tables.save(path, header, entries)
+        tables.save(path, _header(arch, gpu), entries)
     except (OSError, tables.TableError) as e:
         raise _TableUnwritable(f"cannot write the table {path}: {e}; give a writable folder with --out (the "
                                f"trials are kept in --storage, if one was given)") from e
@@ -527,12 +533,10 @@ def _tune_all(args, arch, gpu, keys, buckets) -> int:
         _write(args, arch, gpu, [o.entry for o in outcomes])  # outcomes read back may come from another --out
         print(f"wrote {len(outcomes)} entries to {path}", file=sys.stderr)
     if args.report is not None and outcomes:
-        from . import report, tables
+        from . import report
 
-        header = tables.make_header(gpu["name"], arch, gpu["sm_count"], gpu["cuda_runtime"], gpu["nvrtc"],
-                                    _version())
         sweeps = {} if args.cost_model else _sweeps(outcomes, path.parent.parent)
-        written = report.write(args.report, outcomes, header, sweeps)
+        written = report.write(args.report, outcomes, _header(arch, gpu), sweeps)
         print(f"wrote the report to {written}", file=sys.stderr)
     return 0 if outcomes and not failed else 1
 

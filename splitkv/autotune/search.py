@@ -190,10 +190,15 @@ def fail_interrupted(study) -> int:
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         if t.user_attrs.get("host") != _HOST or _alive(t.user_attrs.get("pid")):
             continue
-        study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
-        study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+        _mark_interrupted(study, t)
         failed += 1
     return failed
+
+
+def _mark_interrupted(study, trial) -> None:
+    """Tell a RUNNING trial (a Trial or a FrozenTrial) failed and interrupted: it does not count."""
+    study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
+    study.tell(trial.number, state=_optuna().trial.TrialState.FAIL)
 
 
 def _alive(pid) -> bool:
@@ -310,8 +315,7 @@ def _fail_interrupted_trial(study, trial) -> None:
     try:
         if study._storage.get_trial(trial._trial_id).state != optuna.trial.TrialState.RUNNING:
             return
-        trial.set_user_attr("interrupted", True)
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        _mark_interrupted(study, trial)
     except Exception as e:  # noqa: BLE001 - the search's own error matters more
         warnings.warn(f"splitkv: could not fail trial {trial.number} as interrupted: {type(e).__name__}: {e}",
                       RuntimeWarning, stacklevel=2)

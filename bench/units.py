@@ -138,7 +138,10 @@ def main(argv=None) -> int:
             rows_total = len(lens) * case.num_kv_heads
             uniform = max(1, -(-num_sms // rows_total))
             uniform_us, _ = timed(variant="split", num_splits=uniform)
-            fixed = {s: timed(variant="split", num_splits=s)[0] for s in FIXED_SPLITS}
+            fixed, fixed_plans = {}, {}
+            for s in FIXED_SPLITS:
+                fixed[s], attn = timed(variant="split", num_splits=s)
+                fixed_plans[s] = attn.plan_info
             best_splits = min(fixed, key=fixed.get)
             fi_us = None
             try:
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
         best = fixed[best_splits]
         row = {"case": case.label, "units_us": units_us, "plan_host_us": statistics.median(host),
                "default_us": default_us, "dense_us": dense_us, "uniform_splits": uniform, "uniform_us": uniform_us,
-               "fixed_us": fixed, "best_fixed_splits": best_splits, "best_fixed_us": best,
+               "fixed_us": fixed, "fixed_plans": fixed_plans, "best_fixed_splits": best_splits, "best_fixed_us": best,
                "flashinfer_us": fi_us, "units_plan": units_attn.plan_info, "default_plan": default_attn.plan_info}
         rows.append(row)
         line = (f"| {case.label} | {units_us:.1f} ({row['plan_host_us']:.0f}) | {default_us:.1f} | {dense_us:.1f} | "

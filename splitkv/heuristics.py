@@ -88,6 +88,23 @@ def takes_whole_row_clusters(spec: KernelSpec) -> bool:
     return spec.kv_dtype != "nvfp4" and not (spec.paged and spec.page_size < spec.tile_tokens)
 
 
+#: Bytes in flight (the CTAs' rings in shared memory together) at which a K/V stream saturates
+#: the memory system, as measured on an H200: head_dim 128 (134 KB rings) 48 CTAs, head_dim 64 (67 KB)
+#: about 96, head_dim 256 (136 KB) 48 stream short rows as fast as any more CTAs (BENCHMARKS.md,
+#: split counts against the planner).
+SATURATING_BYTES_IN_FLIGHT = 6 << 20
+
+
+def saturating_ctas(spec: KernelSpec) -> int | None:
+    """CTAs of ``spec`` whose rings together hold `SATURATING_BYTES_IN_FLIGHT`, for the planner's
+    short-row rule (`plan.plan_splits`); None where a CTA's speed is not set by its bytes in flight:
+    NVFP4's decode is bound by instruction issue and pages shorter than a tile arrive a page at a
+    time (see `takes_whole_row_clusters`), so there every CTA an SM holds counts."""
+    if not takes_whole_row_clusters(spec):
+        return None
+    return -(-SATURATING_BYTES_IN_FLIGHT // spec.smem_bytes)
+
+
 def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:
     """CTAs of ``spec`` one SM holds at once, limited by registers, threads, CTAs and shared memory."""
     arch = ARCHS[arch_number(spec.arch)]

@@ -3,12 +3,22 @@
 Pure NumPy, no GPU. Everything the launch needs is in the returned ``SplitPlan``; ``plan_splits``
 is the only entry point, so a better planner can replace this one without touching its callers.
 
-v1 model: a work unit is one (sequence, K/V head). When the units alone fill a wave of resident
+A work unit is one (sequence, K/V head), a row. When the rows alone fill a wave of resident
 CTAs, or give nearly every SM one CTA (`DENSE_SM_SHARE`), or no sequence is longer than one chunk,
-the dense program runs. Otherwise the longest
-sequence is cut into ``s`` equal, chunk-aligned splits, with ``s`` chosen to minimise a predicted
-makespan of ``waves * tokens_per_split`` plus a merge cost per split; every other sequence uses the
-same split length and so needs fewer splits.
+the dense program runs.
+
+Short rows (splits of at most `FEW_SPLITS_MAX_BYTES`), given the CTAs that saturate the memory
+system (``saturating_ctas``, see `saturating_ctas` in heuristics): the fewest splits whose CTAs
+reach that count (a power of two where one fits on the SMs, so that a row's splits can merge in one
+cluster), dense when the rows alone reach it. A stream is bound by the bytes in flight, not by the
+CTAs an SM could hold: past the saturating count, more CTAs add only partials to merge and a
+second CTA per SM (H200, 3 x 8 rows of 4096 tokens, head_dim 128: 2 splits 24.7 µs and 4 splits
+24.1, against 27.9 for the 11 splits the wave model below takes).
+
+Otherwise (long rows, or no saturating count): the longest sequence is cut into ``s`` equal,
+chunk-aligned splits, with ``s`` chosen to minimise a predicted makespan of ``waves *
+tokens_per_split`` plus a merge cost per split over every resident CTA (the wave model). Every
+other sequence uses the same split length and so needs fewer splits.
 """
 
 from __future__ import annotations
@@ -37,6 +47,12 @@ DENSE_SM_SHARE = 15 / 16
 
 #: Upper bound on the grid, in waves of resident CTAs: more splits only add partials to merge.
 MAX_WAVES = 2
+
+#: Largest split, in K/V bytes one CTA streams, planned as the fewest splits that saturate the
+#: memory system; longer splits go to the wave model, where a CTA per SM streams a few percent faster
+#: than the saturating count (H200, head_dim 128, 3 x 8 rows of 32k tokens: 2 splits of 8 MiB
+#: 112.3 µs, 3 splits 108.7; 16k tokens: 2 splits of 4 MiB 63.8, 3 splits 63.6).
+FEW_SPLITS_MAX_BYTES = 4 << 20
 
 #: Largest K/V bytes per split for which `fit_clusters` trades splits for a cluster merge; a
 #: tuning knob, set from measurements on an H200.
@@ -123,8 +139,11 @@ class SplitPlan:
                 self.heads_per_cta)
 
 
-def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max_splits=None):
-    """Plan one decode call for sequences of ``seq_lens`` tokens (see the module notes)."""
+def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max_splits=None,
+                saturating_ctas=None, kv_bytes_per_token=None):
+    """Plan one decode call for sequences of ``seq_lens`` tokens (see the module notes).
+    ``saturating_ctas`` and ``kv_bytes_per_token`` (both or neither) enable the short-row rule;
+    without them, the wave model plans every batch."""
     lens = _check_lens(seq_lens)
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
     chunk_size = _positive_int("chunk_size", chunk_size)
@@ -132,6 +151,8 @@ def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max
     ctas_per_sm = _positive_int("ctas_per_sm", ctas_per_sm)
     if max_splits is not None:
         max_splits = _positive_int("max_splits", max_splits)
+    if (saturating_ctas is None) != (kv_bytes_per_token is None):
+        raise ValueError("saturating_ctas and kv_bytes_per_token: give both or neither")
 
     units = lens.size * num_kv_heads
     slots = num_sms * ctas_per_sm
@@ -143,14 +164,23 @@ def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max
     limit = min(MAX_WAVES * slots // units, _ceil_div(max_len, chunk_size))
     if max_splits is not None:
         limit = min(limit, max_splits)
+    if saturating_ctas is not None:
+        tokens_per_split = _fewest_saturating_split(
+            lens, num_kv_heads, chunk_size, num_sms, _positive_int("saturating_ctas", saturating_ctas), limit)
+        if tokens_per_split * _positive_int("kv_bytes_per_token", kv_bytes_per_token) <= FEW_SPLITS_MAX_BYTES:
+            return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)
     tokens_per_split = _choose_tokens_per_split(max_len, units, slots, chunk_size, limit)
+    return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)
 
+
+def _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split):
+    """Every sequence cut into splits of ``tokens_per_split``; dense when that is one split each."""
     splits_per_seq = np.maximum(_ceil_div(lens, tokens_per_split), 1)
     num_splits = int(splits_per_seq.max())
     if num_splits == 1:
         return _dense(lens, num_kv_heads, chunk_size)
     return SplitPlan("split", tokens_per_split, num_splits, splits_per_seq,
-                     units * num_splits)
+                     lens.size * num_kv_heads * num_splits)
 
 
 def fixed_plan(seq_lens, num_kv_heads, *, variant, chunk_size, num_splits=None):
@@ -350,6 +380,27 @@ def describe(plan: SplitPlan) -> str:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+def _fewest_saturating_split(lens, num_kv_heads, chunk_size, num_sms, saturating_ctas, limit):
+    """Split length of the fewest splits (up to ``limit``) of the longest sequence whose CTAs
+    (every row's pieces, so ragged batches count what they really stream) reach
+    ``saturating_ctas``; of those counts the first power of two whose CTAs still fit on the SMs one
+    each, else the fewest. Where no count reaches it (short rows), the most splits allowed."""
+    max_len = int(lens.max())
+    # Of 1..limit splits (see plan_splits): the longest row's pieces alone reach the count at
+    # ceil(saturating / heads) splits; twice that leaves room for the next power of two.
+    limit = min(limit, 2 * _ceil_div(saturating_ctas, num_kv_heads))
+    candidates = np.arange(1, max(limit, 1) + 1, dtype=np.int64)
+    tokens = chunk_size * _ceil_div(_ceil_div(max_len, candidates), chunk_size)
+    # CTAs of each candidate: every row at least one (an empty one writes its zeros).
+    ctas = num_kv_heads * np.maximum(_ceil_div(lens[None, :], tokens[:, None]), 1).sum(axis=1)
+    reaching = np.flatnonzero(ctas >= saturating_ctas)
+    if reaching.size == 0:
+        return int(tokens[-1])
+    fewest = int(reaching[0])
+    whole_cluster = reaching[((candidates[reaching] & (candidates[reaching] - 1)) == 0) & (ctas[reaching] <= num_sms)]
+    return int(tokens[whole_cluster[0] if whole_cluster.size else fewest])
+
 
 def _choose_tokens_per_split(max_len, units, slots, chunk_size, limit):
     """Split length whose predicted makespan is smallest over 1..limit splits of the longest sequence.

@@ -24,7 +24,7 @@ import numpy as np
 from . import paged, streams, tensors
 from .autotune import lookup
 from .autotune.keys import TuneKey
-from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clusters
+from .heuristics import default_spec, resident_ctas_per_sm, saturating_ctas, takes_whole_row_clusters
 from .quantize import QuantizedKV
 from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
                    wants_packed_heads, whole_row_ctas)
@@ -274,9 +274,16 @@ class DecodeAttention:
             else:
                 plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                    num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
+            # The units' cost model counts tokens per CTA on every resident CTA, as the wave model
+            # does: the routing compares the two in those terms, before the short-row rule.
             unit_plan = None if may_grow else self._units_pay(plan, host_lens, ctas_per_sm)
             if unit_plan is not None:
                 return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
+            saturating = saturating_ctas(self.split_spec)
+            if not forced_dense and saturating is not None:
+                plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
+                                   num_sms=self.num_sms, ctas_per_sm=ctas_per_sm, saturating_ctas=saturating,
+                                   kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
         else:
             plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitkv.plan import (DENSE_SM_SHARE, WARP_HEADS_SHARE, SplitPlan, describe, fit_clusters, fixed_plan,
+from splitkv.plan import (DENSE_SM_SHARE, FEW_SPLITS_MAX_BYTES, WARP_HEADS_SHARE, SplitPlan, describe, fit_clusters, fixed_plan,
                           pack_heads, plan_splits, span_plan, span_row_ctas, wants_packed_heads, whole_row_ctas)
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
@@ -25,6 +25,9 @@ def problems(draw):
         num_sms=draw(st.one_of(st.sampled_from([108, 132]), st.integers(1, 200))),
         ctas_per_sm=draw(st.integers(1, 4)),
         max_splits=draw(st.one_of(st.none(), st.integers(1, 128))),
+        **draw(st.one_of(st.just({}), st.fixed_dictionaries(
+            # the short-row rule: CTAs that saturate the memory system, bytes per token
+            dict(saturating_ctas=st.integers(1, 300), kv_bytes_per_token=st.sampled_from([72, 128, 256, 512, 1024]))))),
     )
 
 
@@ -127,6 +130,55 @@ def test_rows_that_give_nearly_every_sm_a_cta_run_dense_even_with_room_for_more(
         plan = plan_splits([4096] * batch, 8, chunk_size=128, num_sms=132, ctas_per_sm=3)
         assert plan.variant == "dense" and plan.num_ctas == batch * 8
     assert plan_splits([4096] * 12, 8, chunk_size=128, num_sms=132, ctas_per_sm=3).variant == "split"
+
+
+def short_rows(lens, num_kv_heads, saturating, bytes_per_token=512, ctas_per_sm=2):
+    return plan_splits(lens, num_kv_heads, chunk_size=128, num_sms=132, ctas_per_sm=ctas_per_sm,
+                       saturating_ctas=saturating, kv_bytes_per_token=bytes_per_token)
+
+
+def test_short_rows_take_the_fewest_splits_that_saturate_a_power_of_two_first():
+    # 3 x 8 rows of 4096 tokens: 48 CTAs reach 47 at 2 splits, 94 at 4 (a power of two, 96 CTAs).
+    assert (short_rows([4096] * 3, 8, 47).num_splits, short_rows([4096] * 3, 8, 94).num_splits) == (2, 4)
+    # 32 rows: 94 CTAs are reached at 3 splits; 4 still fit on the SMs one each (128), so 4.
+    assert short_rows([4096], 32, 94).num_splits == 4
+    # 40 rows: 3 splits reach 94 (120 CTAs); 4 would not fit one per SM (160), so 3.
+    assert short_rows([4096] * 5, 8, 94).num_splits == 3
+    # The wave model (every resident CTA a slot) cuts the same rows 11 ways.
+    assert plan_splits([4096] * 3, 8, chunk_size=128, num_sms=132, ctas_per_sm=2).num_splits == 11
+
+
+def test_short_rows_that_saturate_alone_run_dense():
+    plan = short_rows([4096] * 6, 8, 47)
+    assert plan.variant == "dense" and plan.num_ctas == 48
+
+
+def test_long_splits_go_to_the_wave_model():
+    # 2 splits of 16384 tokens x 512 bytes (8 MiB) exceed FEW_SPLITS_MAX_BYTES; at 16384 tokens (4 MiB) they do not.
+    wave = plan_splits([32768] * 3, 8, chunk_size=128, num_sms=132, ctas_per_sm=2)
+    assert short_rows([32768] * 3, 8, 47) == wave and wave.num_splits == 11
+    assert short_rows([16384] * 3, 8, 47).num_splits == 2
+    assert FEW_SPLITS_MAX_BYTES == 8192 * 512
+    # Rows that saturate alone but are long: the wave model too.
+    assert short_rows([16384] * 6, 8, 47) == plan_splits([16384] * 6, 8, chunk_size=128, num_sms=132, ctas_per_sm=2)
+
+
+def test_ragged_short_rows_count_the_ctas_they_launch():
+    # One row of 4096 and two of 100 tokens, 8 K/V heads: 4 splits give 8 x 4 + 16 x 1 = 48 CTAs.
+    plan = short_rows([4096, 100, 100], 8, 47)
+    assert plan.num_splits == 4 and plan.splits_per_seq.tolist() == [4, 1, 1]
+
+
+def test_rows_too_short_to_saturate_take_a_split_per_chunk():
+    plan = short_rows([512], 8, 47)  # 4 chunks: 32 CTAs at most
+    assert plan.num_splits == 4 and plan.tokens_per_split == 128
+
+
+def test_the_short_row_rule_needs_both_of_its_arguments():
+    with pytest.raises(ValueError, match="both or neither"):
+        plan_splits([4096], 8, chunk_size=128, num_sms=132, ctas_per_sm=2, saturating_ctas=47)
+    with pytest.raises(ValueError, match="saturating_ctas"):
+        short_rows([4096], 8, 0)
 
 
 @given(problems(), st.integers(1, 8))

@@ -97,12 +97,16 @@ SATURATING_BYTES_IN_FLIGHT = 6 << 20
 
 def saturating_ctas(spec: KernelSpec) -> int | None:
     """CTAs of ``spec`` whose rings together hold `SATURATING_BYTES_IN_FLIGHT`, for the planner's
-    short-row rule (`plan.plan_splits`); None where a CTA's speed is not set by its bytes in flight:
-    NVFP4's decode is bound by instruction issue and pages shorter than a tile arrive a page at a
-    time (see `takes_whole_row_clusters`), so there every CTA an SM holds counts."""
-    if not takes_whole_row_clusters(spec):
+    short-row rule (`plan.plan_splits`). Pages shorter than a tile arrive a page at a time, so
+    twice as many bytes must be in flight (H200, 3 x 8 rows of 4096 tokens in pages of 1: 4 splits,
+    96 CTAs, 27.7 µs; 2 splits 35.7; the wave model's 11 splits 32.4). None for NVFP4, whose decode
+    is bound by instruction issue (see `takes_whole_row_clusters`): every CTA an SM holds counts."""
+    if spec.kv_dtype == "nvfp4":
         return None
-    return -(-SATURATING_BYTES_IN_FLIGHT // spec.smem_bytes)
+    in_flight = SATURATING_BYTES_IN_FLIGHT
+    if spec.paged and spec.page_size < spec.tile_tokens:
+        in_flight *= 2
+    return -(-in_flight // spec.smem_bytes)
 
 
 def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:

@@ -279,8 +279,12 @@ class DecodeAttention:
             unit_plan = None if may_grow else self._units_pay(plan, host_lens, ctas_per_sm)
             if unit_plan is not None:
                 return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
+            # The short-row rule, except for a tuned program measured without it (its entry's
+            # `planner`): a tuned program launches what the tuner measured.
             saturating = saturating_ctas(self.split_spec)
-            if not forced_dense and saturating is not None:
+            measured_by_waves = self.tuned_entry is not None and self.tuned_entry.planner == "waves" \
+                and self.tuned_entry.spec == self.split_spec
+            if not forced_dense and saturating is not None and not measured_by_waves:
                 plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                    num_sms=self.num_sms, ctas_per_sm=ctas_per_sm, saturating_ctas=saturating,
                                    kv_bytes_per_token=self.split_spec.kv_bytes_per_token)

@@ -25,7 +25,9 @@ import splitkv
 from splitkv import cli
 from splitkv.autotune import costmodel, keys, lookup, objective, search, space, tables
 from splitkv.autotune.keys import BUCKETS_BY_NAME, TuneKey
+from splitkv import heuristics
 from splitkv.heuristics import default_spec
+from splitkv.plan import plan_splits
 from splitkv.spec import QUANTIZED_KV_DTYPES, KernelSpec, arch_number
 from tests.test_runtime_fake_gpu import _DeviceArray, fake_gpu  # noqa: F401 - fake_gpu: a fixture, used by name
 
@@ -428,6 +430,42 @@ def test_runtime_launches_the_tuned_split_program(fake_gpu):
     assert attn._launch.plan.variant == "split"
     assert attn.tuned_entry.bucket.name == "b1-l32k" and attn.tuned_entry.spec == TUNED_SPLIT
     assert _shape(launched) == _shape(TUNED_SPLIT) and launched.cluster == 1
+
+
+@pytest.mark.parametrize("planner", tables.PLANNERS)
+def test_runtime_plans_a_tuned_program_by_the_rules_it_was_measured_under(fake_gpu, planner):
+    """Short rows (3 x 8 rows of 4096 tokens) on the table's split program: an entry measured under
+    the wave model alone is planned by it (the shipped entries tuned before the short-row rule
+    launch what was measured); one measured with the short-row rule takes its fewest splits."""
+    tables.save(tables.table_path(fake_gpu.tables, ARCH, GPU), header(),
+                [entry("b4-l8k", TUNED_SPLIT, planner=planner)])
+    attn = splitkv.DecodeAttention(32, 8, 128)
+    _launched(fake_gpu, attn, [4096] * 3)
+    assert attn.tuned_entry.spec == TUNED_SPLIT and attn.tuned_entry.planner == planner
+    # The fake GPU's programs take 96 registers; TUNED_SPLIT has no cluster, so no resplit follows.
+    common = dict(chunk_size=TUNED_SPLIT.chunk_size, num_sms=132,
+                  ctas_per_sm=heuristics.resident_ctas_per_sm(TUNED_SPLIT, 96))
+    waves = plan_splits([4096] * 3, 8, **common)
+    short = plan_splits([4096] * 3, 8, **common, saturating_ctas=heuristics.saturating_ctas(TUNED_SPLIT),
+                        kv_bytes_per_token=TUNED_SPLIT.kv_bytes_per_token)
+    assert waves.num_splits != short.num_splits  # the two rules differ here, so the check can fail
+    assert attn._launch.plan == (waves if planner == "waves" else short)
+
+
+def test_an_entry_names_the_planner_it_was_measured_under(tmp_path):
+    """Absent means the wave model (tables written before the short-row rule); the tuner's entries
+    say 'short-rows'; an unknown name is refused when the table is read."""
+    path = tables.table_path(tmp_path, ARCH, GPU)
+    tables.save(path, header(), [entry("b1-l2k", TUNED_SPLIT), entry("b4-l8k", TUNED_SPLIT, planner="short-rows")])
+    loaded = {e.bucket.name: e for e in tables.load(path).entries}
+    assert (loaded["b1-l2k"].planner, loaded["b4-l8k"].planner) == ("waves", "short-rows")
+    assert path.read_text().count("planner:") == 1  # the default stays absent
+    assert tables.CURRENT_PLANNER in tables.PLANNERS
+    with pytest.raises(ValueError, match="planner"):
+        entry("b1-l2k", TUNED_SPLIT, planner="greedy")
+    path.write_text(path.read_text().replace("planner: short-rows", "planner: greedy"))
+    with pytest.raises(tables.TableError, match="planner"):
+        tables.load(path)
 
 
 def test_runtime_launches_the_tuned_dense_program(fake_gpu):

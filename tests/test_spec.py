@@ -244,3 +244,16 @@ def test_whole_row_clusters_are_left_out_for_pages_shorter_than_a_tile():
     assert takes_whole_row_clusters(default_spec("sm_90", 128, 4, page_size=64))
     assert not takes_whole_row_clusters(default_spec("sm_90", 128, 4, page_size=16))
     assert not takes_whole_row_clusters(default_spec("sm_90", 128, 4, kv_dtype="nvfp4"))
+
+
+def test_saturating_ctas_count_the_bytes_in_flight():
+    from splitkv.heuristics import SATURATING_BYTES_IN_FLIGHT, saturating_ctas
+
+    d128, d64 = default_spec("sm_90", 128, 4), default_spec("sm_90", 64, 4)
+    assert saturating_ctas(d128) == -(-SATURATING_BYTES_IN_FLIGHT // d128.smem_bytes) == 47
+    assert saturating_ctas(d64) > 1.9 * saturating_ctas(d128)  # half the ring: about twice the CTAs
+    # Pages shorter than a tile: twice the bytes; pages of a tile and more: as contiguous caches.
+    paged1 = default_spec("sm_90", 128, 4, page_size=1)
+    assert saturating_ctas(paged1) == -(-2 * SATURATING_BYTES_IN_FLIGHT // paged1.smem_bytes)
+    assert saturating_ctas(default_spec("sm_90", 128, 4, page_size=64)) == 47
+    assert saturating_ctas(default_spec("sm_90", 128, 4, kv_dtype="nvfp4")) is None

@@ -40,7 +40,7 @@ from pathlib import Path
 from . import lookup, space
 from .keys import Bucket, TuneKey
 from .objective import ContextLost, Measurement, Objective, TrialFailed
-from .tables import Entry, today
+from .tables import CURRENT_PLANNER, Entry, today
 
 #: Candidates each study keeps in flight (asked, compiling or waiting for the GPU).
 BATCH = 8
@@ -592,7 +592,7 @@ def _confirmed(study, key, bucket, arch, objective, top, iters, exhaustive_resul
         compared["tuned_spec_us"] = None if mine is None else round(mine, 3)
         compared["builtin_spec_us"] = _builtin_figure(objective, exhaustive_results, key, arch, builtin_runs)
     entry = Entry(key, bucket, spec, tuned.us, default.us, tuned.bandwidth_pct, len(measured(study)), today(),
-                  compared, tuned.detail.get("plan"), None if spec is None else builtin_runs)
+                  compared, tuned.detail.get("plan"), None if spec is None else builtin_runs, CURRENT_PLANNER)
     return Outcome(entry, trial_rows(study), report, objective.name)
 
 

@@ -20,10 +20,13 @@
       trials: 40
       date: "2026-11-30"
       plan: "split: B=1, 16 x 2048 tokens ..."  # how the winner planned the bucket (optional)
+      planner: short-rows       # the split-count rules it was measured under (absent: waves)
       exhaustive: {best_us: 37.8, points: 252, trials_to_within_3pct: 17}   # when it was run
 
 ``spec`` holds every KernelSpec field but the arch and the key's own; ``spec: null`` says the
-built-in choice was measured best, and the runtime keeps it. Entries are sorted by key and
+built-in choice was measured best, and the runtime keeps it. ``planner`` names the planner's
+split-count rules the entry was measured under (`PLANNERS`): the runtime plans a tuned program by
+those rules, so it launches what was measured. Entries are sorted by key and
 bucket, so a table written twice from the same results is the same file. `save` merges: it reads
 what is there, replaces the entries it has new figures for, keeps the rest, and replaces the
 file atomically (a temporary file renamed over it) under a lock, so concurrent writers lose
@@ -45,8 +48,13 @@ from .keys import Bucket, TuneKey, gpu_file_stem
 
 SCHEMA = 1
 HEADER_FIELDS = ("schema", "gpu", "arch", "sm_count", "cuda_runtime", "nvrtc", "splitkv", "date")
+#: The planner's split-count rules an entry can have been measured under: "waves" (the wave model
+#: alone, every entry tuned before the short-row rule), "short-rows" (`plan.plan_splits` with the
+#: short-row rule, what the tuner measures now: `CURRENT_PLANNER`).
+PLANNERS = ("waves", "short-rows")
+CURRENT_PLANNER = "short-rows"
 ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "bandwidth_pct", "default_us", "trials", "date", "exhaustive",
-                "plan", "default_plan")
+                "plan", "default_plan", "planner")
 #: KernelSpec fields an entry's spec leaves out: the table's arch, and the key's fields.
 _KEY_SPEC_FIELDS = ("arch", "head_dim", "group_size", "q_dtype", "kv_dtype", "page_size", "kv_layout")
 
@@ -73,6 +81,12 @@ class Entry:
     # plan, programs named, on a GPU; the program's name for the cost model): a winner must launch
     # something else (the same plan would be the built-in choice measured twice).
     default_plan: str | None = None
+    # The split-count rules the entry was measured under (see PLANNERS).
+    planner: str = "waves"
+
+    def __post_init__(self):
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner: expected one of {list(PLANNERS)}, got {self.planner!r}")
 
     @property
     def speedup(self) -> float:
@@ -95,6 +109,8 @@ class Entry:
             out["plan"] = self.plan
         if self.default_plan:
             out["default_plan"] = self.default_plan
+        if self.planner != "waves":
+            out["planner"] = self.planner
         return out
 
     @classmethod
@@ -124,7 +140,8 @@ class Entry:
                    None if data.get("bandwidth_pct") is None else float(data["bandwidth_pct"]),
                    int(data.get("trials", 0)), str(data.get("date", "")), exhaustive,
                    None if data.get("plan") is None else str(data["plan"]),
-                   None if data.get("default_plan") is None else str(data["default_plan"]))
+                   None if data.get("default_plan") is None else str(data["default_plan"]),
+                   str(data.get("planner", "waves")))
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,7 @@ def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max
     units = lens.size * num_kv_heads
     slots = num_sms * ctas_per_sm
     max_len = int(lens.max())
-    if units >= slots or units >= DENSE_SM_SHARE * num_sms or max_len <= chunk_size:
+    if dense_regardless(units, max_len, chunk_size=chunk_size, num_sms=num_sms, ctas_per_sm=ctas_per_sm):
         return _dense(lens, num_kv_heads, chunk_size)
 
     # Every split count that keeps the grid within MAX_WAVES, capped so no split is under a chunk.
@@ -181,6 +181,12 @@ def _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split):
         return _dense(lens, num_kv_heads, chunk_size)
     return SplitPlan("split", tokens_per_split, num_splits, splits_per_seq,
                      lens.size * num_kv_heads * num_splits)
+
+
+def dense_regardless(rows: int, max_len: int, *, chunk_size, num_sms, ctas_per_sm) -> bool:
+    """Whether `plan_splits` plans dense under either rule: the rows fill a wave of resident CTAs
+    or give `DENSE_SM_SHARE` of the SMs a CTA, or no sequence is longer than a chunk."""
+    return rows >= num_sms * ctas_per_sm or rows >= DENSE_SM_SHARE * num_sms or max_len <= chunk_size
 
 
 def fixed_plan(seq_lens, num_kv_heads, *, variant, chunk_size, num_splits=None):

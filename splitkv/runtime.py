@@ -26,7 +26,7 @@ from .autotune import lookup
 from .autotune.keys import TuneKey
 from .heuristics import default_spec, resident_ctas_per_sm, saturating_ctas, takes_whole_row_clusters
 from .quantize import QuantizedKV
-from .plan import (SplitPlan, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
+from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
                    wants_packed_heads, whole_row_ctas)
 from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
@@ -173,6 +173,7 @@ class DecodeAttention:
         self._extents: tuple = ()  # bytes each run() array spans, for the validated layout
         self._cluster_fit: dict[int, int | None] = {}
         self._packed_dense: tuple | None = None  # (dense program, its warp-per-head form)
+        self._occupancy: tuple | None = None  # (split program, CTAs per SM, saturating CTAs)
         self._workspace: dict[str, object] = {}
         self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
         self._order = streams.StreamOrder()  # plan() and run() in call order across streams
@@ -265,9 +266,7 @@ class DecodeAttention:
             return self._plan_units(seq_lens, lens, host_lens, block_table, validate, max_units)
         if max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")
-        # The split program's registers bound how many CTAs an SM holds, which the planner needs.
-        _, split_compiled = load_kernel(self.split_spec)
-        ctas_per_sm = resident_ctas_per_sm(self.split_spec, split_compiled.registers)
+        ctas_per_sm, saturating = self._split_occupancy()
         if variant is None:
             if forced_dense:
                 plan = fixed_plan(host_lens, self.num_kv_heads, variant="dense", chunk_size=self.split_spec.chunk_size)
@@ -281,10 +280,11 @@ class DecodeAttention:
                 return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
             # The short-row rule, except for a tuned program measured without it (its entry's
             # `planner`): a tuned program launches what the tuner measured.
-            saturating = saturating_ctas(self.split_spec)
             measured_by_waves = self.tuned_entry is not None and self.tuned_entry.planner == "waves" \
                 and self.tuned_entry.spec == self.split_spec
-            if not forced_dense and saturating is not None and not measured_by_waves:
+            if not (forced_dense or saturating is None or measured_by_waves or dense_regardless(
+                    batch * self.num_kv_heads, int(host_lens.max(initial=0)), chunk_size=self.split_spec.chunk_size,
+                    num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)):
                 plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                    num_sms=self.num_sms, ctas_per_sm=ctas_per_sm, saturating_ctas=saturating,
                                    kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
@@ -356,6 +356,17 @@ class DecodeAttention:
                                self._empty_kv_ptr(spec, max_planned), table)
         self._validated_layout = None
         return plan
+
+    def _split_occupancy(self) -> tuple[int, int | None]:
+        """The split program's resident CTAs per SM (its registers bound them) and saturating CTAs
+        (`heuristics.saturating_ctas`), kept while the split program stays."""
+        from .codegen.load import load_kernel
+
+        if self._occupancy is None or self._occupancy[0] != self.split_spec:
+            _, compiled = load_kernel(self.split_spec)
+            self._occupancy = (self.split_spec, resident_ctas_per_sm(self.split_spec, compiled.registers),
+                               saturating_ctas(self.split_spec))
+        return self._occupancy[1:]
 
     def _packed_dense_spec(self) -> KernelSpec:
         """The dense program with a warp per K/V head, kept while the dense program stays (building

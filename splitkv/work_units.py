@@ -324,10 +324,15 @@ def may_route_to_units(seq_lens, num_kv_heads: int, tokens_per_split: int, slots
     load plus the longest job (Graham), and no unit plan beats the rows' average load. True means
     that the plans must be compared."""
     costs = costs if costs is not None else CostModel()
-    row_tokens, per, pieces = _split_pieces(seq_lens, num_kv_heads, tokens_per_split)
-    split_total = float(row_tokens.sum()) + costs.unit_overhead * float(pieces.sum())
-    split_bound = split_total / slots + min(per, int(row_tokens.max(initial=0))) + costs.unit_overhead
-    units_bound = (float(row_tokens.sum()) + costs.unit_overhead * row_tokens.size) / slots
+    # Per sequence: each of its num_kv_heads rows has the same tokens and pieces (O(batch), not O(rows)).
+    lens = _check_lens(seq_lens).astype(np.int64)
+    heads = _positive_int("num_kv_heads", num_kv_heads)
+    per = _positive_int("tokens_per_split", tokens_per_split)
+    tokens = float(lens.sum()) * heads
+    pieces = float(np.maximum(-(-lens // per), 1).sum()) * heads
+    split_bound = (tokens + costs.unit_overhead * pieces) / slots + min(per, int(lens.max(initial=0))) \
+        + costs.unit_overhead
+    units_bound = (tokens + costs.unit_overhead * lens.size * heads) / slots
     return split_bound > ROUTE_FACTOR * units_bound
 
 

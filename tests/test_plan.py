@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitkv.plan import (DENSE_SM_SHARE, FEW_SPLITS_MAX_BYTES, WARP_HEADS_SHARE, SplitPlan, describe, fit_clusters, fixed_plan,
+from splitkv.plan import (DENSE_SM_SHARE, FEW_SPLITS_MAX_BYTES, WARP_HEADS_SHARE, dense_regardless, SplitPlan, describe, fit_clusters, fixed_plan,
                           pack_heads, plan_splits, span_plan, span_row_ctas, wants_packed_heads, whole_row_ctas)
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
@@ -466,3 +466,16 @@ def test_span_plan_fills_132_sms_with_8_heads():
 def test_span_row_ctas_refuses_a_plain_plan():
     with pytest.raises(ValueError, match="span"):
         span_row_ctas(fixed_plan([100], 2, variant="split", chunk_size=16, num_splits=3), 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_dense_regardless_means_dense_under_both_rules(problem):
+    p = dict(problem)
+    lens = p["seq_lens"]
+    regardless = dense_regardless(lens.size * p["num_kv_heads"], int(lens.max()), chunk_size=p["chunk_size"],
+                                  num_sms=p["num_sms"], ctas_per_sm=p["ctas_per_sm"])
+    if regardless:
+        assert run(problem).variant == "dense"
+        waves = {k: v for k, v in problem.items() if k not in ("saturating_ctas", "kv_bytes_per_token")}
+        assert run(waves).variant == "dense"

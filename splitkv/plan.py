@@ -8,8 +8,8 @@ CTAs, or give nearly every SM one CTA (`DENSE_SM_SHARE`), or no sequence is long
 the dense program runs.
 
 Short rows (splits of at most `FEW_SPLITS_MAX_BYTES`), given the CTAs that saturate the memory
-system (``saturating_ctas``, see `saturating_ctas` in heuristics): the fewest splits whose CTAs
-reach that count (a power of two where one fits on the SMs, so that a row's splits can merge in one
+system (``saturating_ctas``, see `saturating_ctas` in heuristics) and where some split count
+reaches it within the grid's limits: the fewest splits whose streaming CTAs reach that count (a power of two where one fits on the SMs, so that a row's splits can merge in one
 cluster), dense when the rows alone reach it. A stream is bound by the bytes in flight, not by the
 CTAs an SM could hold: past the saturating count, more CTAs add only partials to merge and a
 second CTA per SM (H200, 3 x 8 rows of 4096 tokens, head_dim 128: 2 splits 24.7 µs and 4 splits
@@ -167,7 +167,8 @@ def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max
     if saturating_ctas is not None:
         tokens_per_split = _fewest_saturating_split(
             lens, num_kv_heads, chunk_size, num_sms, _positive_int("saturating_ctas", saturating_ctas), limit)
-        if tokens_per_split * _positive_int("kv_bytes_per_token", kv_bytes_per_token) <= FEW_SPLITS_MAX_BYTES:
+        bytes_per_token = _positive_int("kv_bytes_per_token", kv_bytes_per_token)
+        if tokens_per_split is not None and tokens_per_split * bytes_per_token <= FEW_SPLITS_MAX_BYTES:
             return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)
     tokens_per_split = _choose_tokens_per_split(max_len, units, slots, chunk_size, limit)
     return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)
@@ -388,24 +389,26 @@ def describe(plan: SplitPlan) -> str:
 # ---- helpers ------------------------------------------------------------------------------------
 
 def _fewest_saturating_split(lens, num_kv_heads, chunk_size, num_sms, saturating_ctas, limit):
-    """Split length of the fewest splits (up to ``limit``) of the longest sequence whose CTAs
-    (every row's pieces, so ragged batches count what they really stream) reach
-    ``saturating_ctas``; of those counts the first power of two whose CTAs still fit on the SMs one
-    each, else the fewest. Where no count reaches it (short rows), the most splits allowed."""
+    """Split length of the fewest splits (up to ``limit``) of the longest sequence whose streaming
+    CTAs (every non-empty row's pieces, so ragged batches count what they really stream) reach
+    ``saturating_ctas``; of those, the first that cuts the longest row into a power of two of
+    splits with its CTAs still one per SM, else the fewest. None where no count up to ``limit``
+    reaches it (the rule's premise fails: the wave model plans instead)."""
     max_len = int(lens.max())
     # Of 1..limit splits (see plan_splits): the longest row's pieces alone reach the count at
     # ceil(saturating / heads) splits; twice that leaves room for the next power of two.
     limit = min(limit, 2 * _ceil_div(saturating_ctas, num_kv_heads))
     candidates = np.arange(1, max(limit, 1) + 1, dtype=np.int64)
     tokens = chunk_size * _ceil_div(_ceil_div(max_len, candidates), chunk_size)
-    # CTAs of each candidate: every row at least one (an empty one writes its zeros).
-    ctas = num_kv_heads * np.maximum(_ceil_div(lens[None, :], tokens[:, None]), 1).sum(axis=1)
+    splits = _ceil_div(max_len, tokens)  # what chunk rounding leaves of each candidate
+    # CTAs of each candidate that stream: an empty row's CTA only writes its zeros.
+    ctas = num_kv_heads * _ceil_div(lens[None, :], tokens[:, None]).sum(axis=1)
     reaching = np.flatnonzero(ctas >= saturating_ctas)
     if reaching.size == 0:
-        return int(tokens[-1])
-    fewest = int(reaching[0])
-    whole_cluster = reaching[((candidates[reaching] & (candidates[reaching] - 1)) == 0) & (ctas[reaching] <= num_sms)]
-    return int(tokens[whole_cluster[0] if whole_cluster.size else fewest])
+        return None
+    power_of_two = (splits[reaching] & (splits[reaching] - 1)) == 0
+    whole_cluster = reaching[power_of_two & (ctas[reaching] <= num_sms)]
+    return int(tokens[whole_cluster[0] if whole_cluster.size else reaching[0]])
 
 
 def _choose_tokens_per_split(max_len, units, slots, chunk_size, limit):

@@ -285,9 +285,15 @@ class DecodeAttention:
             if not (forced_dense or saturating is None or measured_by_waves or dense_regardless(
                     batch * self.num_kv_heads, int(host_lens.max(initial=0)), chunk_size=self.split_spec.chunk_size,
                     num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)):
-                plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
-                                   num_sms=self.num_sms, ctas_per_sm=ctas_per_sm, saturating_ctas=saturating,
-                                   kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
+                short = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
+                                    num_sms=self.num_sms, ctas_per_sm=ctas_per_sm, saturating_ctas=saturating,
+                                    kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
+                # Fewer, longer splits may leave a long row to few CTAs among short rows: the
+                # routing to units judges the plan that would run too.
+                unit_plan = None if short == plan or may_grow else self._units_pay(short, host_lens, ctas_per_sm)
+                if unit_plan is not None:
+                    return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
+                plan = short
         else:
             plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)

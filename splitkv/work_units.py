@@ -332,7 +332,7 @@ def may_route_to_units(seq_lens, num_kv_heads: int, tokens_per_split: int, slots
     pieces = float(np.maximum(-(-lens // per), 1).sum()) * heads
     split_bound = (tokens + costs.unit_overhead * pieces) / slots + min(per, int(lens.max(initial=0))) \
         + costs.unit_overhead
-    units_bound = (tokens + costs.unit_overhead * lens.size * heads) / slots
+    units_bound = (tokens + costs.unit_overhead * (lens.size * heads)) / slots
     return split_bound > ROUTE_FACTOR * units_bound
 
 

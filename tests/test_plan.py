@@ -169,9 +169,24 @@ def test_ragged_short_rows_count_the_ctas_they_launch():
     assert plan.num_splits == 4 and plan.splits_per_seq.tolist() == [4, 1, 1]
 
 
-def test_rows_too_short_to_saturate_take_a_split_per_chunk():
-    plan = short_rows([512], 8, 47)  # 4 chunks: 32 CTAs at most
-    assert plan.num_splits == 4 and plan.tokens_per_split == 128
+def test_rows_too_short_to_saturate_are_left_to_the_wave_model():
+    plan = short_rows([512], 8, 47)  # 4 chunks: 32 CTAs at most, short of 47
+    assert plan == plan_splits([512], 8, chunk_size=128, num_sms=132, ctas_per_sm=2) and plan.num_splits == 4
+
+
+def test_empty_rows_do_not_count_as_streaming_ctas():
+    # One row of 8192 tokens and five empty ones, 8 K/V heads: 48 rows, but 8 stream; dense would
+    # leave 8 CTAs streaming 4 MiB each. The rule takes 8 splits (64 streaming CTAs) instead.
+    plan = short_rows([8192] + [0] * 5, 8, 47)
+    assert plan.variant == "split" and plan.splits_per_seq.tolist() == [8, 1, 1, 1, 1, 1]
+
+
+def test_the_power_of_two_preference_counts_the_splits_chunk_rounding_leaves():
+    # 16 rows of 2561 tokens, 94 saturating CTAs: 6 splits of 512 tokens give 96 CTAs, the fewest
+    # that reach it; candidates 7 to 10 all round to 7 splits of 384 (not a power of two, though
+    # candidate 8 is), and 11 or more splits take more CTAs than SMs. So 6.
+    plan = short_rows([2561] * 2, 8, 94, bytes_per_token=256)
+    assert plan.num_splits == 6 and plan.num_ctas == 96
 
 
 def test_the_short_row_rule_needs_both_of_its_arguments():

@@ -480,6 +480,19 @@ def test_the_default_planner_routes_a_long_row_among_many_short_ones_to_units(fa
         assert not isinstance(plan, UnitPlan), (lens, attn.plan_info)
 
 
+def test_the_short_row_rules_plan_is_judged_by_the_routing_too(fake_gpu):
+    """One 8192-token row among five of 100 tokens: 48 rows reach the saturating count, so the
+    short-row rule alone would run dense, the long row on one CTA per K/V head; the routing judges
+    that plan (not only the wave model's) and takes the units. Balanced short rows keep the rule."""
+    from splitkv import DecodeAttention
+    from splitkv.work_units import UnitPlan
+
+    attn = DecodeAttention(32, 8, 128, tuned=False)
+    assert isinstance(attn.plan([8192] + [100] * 5), UnitPlan), attn.plan_info
+    plan = attn.plan([4096] * 3)
+    assert not isinstance(plan, UnitPlan) and plan.num_splits == 2, attn.plan_info
+
+
 def test_lengths_that_may_grow_after_plan_are_never_left_to_units(fake_gpu):
     """A units plan covers the lengths it was planned for: with device lengths that may grow up to
     max_len (graph replays), the default planner keeps to the split planner, whose grid covers

@@ -141,7 +141,7 @@ class Entry:
                    int(data.get("trials", 0)), str(data.get("date", "")), exhaustive,
                    None if data.get("plan") is None else str(data["plan"]),
                    None if data.get("default_plan") is None else str(data["default_plan"]),
-                   str(data.get("planner", "waves")))
+                   str(data.get("planner") or "waves"))
 
 
 @dataclass(frozen=True)

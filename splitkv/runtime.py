@@ -269,31 +269,21 @@ class DecodeAttention:
         ctas_per_sm, saturating = self._split_occupancy()
         if variant is None:
             if forced_dense:
-                plan = fixed_plan(host_lens, self.num_kv_heads, variant="dense", chunk_size=self.split_spec.chunk_size)
+                wave = plan = fixed_plan(host_lens, self.num_kv_heads, variant="dense",
+                                         chunk_size=self.split_spec.chunk_size)
             else:
-                plan = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
+                wave = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                    num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
+                plan = self._short_row_plan(wave, host_lens, ctas_per_sm, saturating)
             # The units' cost model counts tokens per CTA on every resident CTA, as the wave model
-            # does: the routing compares the two in those terms, before the short-row rule.
-            unit_plan = None if may_grow else self._units_pay(plan, host_lens, ctas_per_sm)
+            # does: the routing judges the wave model's plan in those terms, and the short-row
+            # rule's where it differs (fewer, longer splits may leave a long row to few CTAs among
+            # short rows).
+            unit_plan = None if may_grow else self._units_pay(wave, host_lens, ctas_per_sm)
+            if unit_plan is None and plan != wave and not may_grow:
+                unit_plan = self._units_pay(plan, host_lens, ctas_per_sm)
             if unit_plan is not None:
                 return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
-            # The short-row rule, except for a tuned program measured without it (its entry's
-            # `planner`): a tuned program launches what the tuner measured.
-            measured_by_waves = self.tuned_entry is not None and self.tuned_entry.planner == "waves" \
-                and self.tuned_entry.spec == self.split_spec
-            if not (forced_dense or saturating is None or measured_by_waves or dense_regardless(
-                    batch * self.num_kv_heads, int(host_lens.max(initial=0)), chunk_size=self.split_spec.chunk_size,
-                    num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)):
-                short = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
-                                    num_sms=self.num_sms, ctas_per_sm=ctas_per_sm, saturating_ctas=saturating,
-                                    kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
-                # Fewer, longer splits may leave a long row to few CTAs among short rows: the
-                # routing to units judges the plan that would run too.
-                unit_plan = None if short == plan or may_grow else self._units_pay(short, host_lens, ctas_per_sm)
-                if unit_plan is not None:
-                    return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
-                plan = short
         else:
             plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
@@ -362,6 +352,21 @@ class DecodeAttention:
                                self._empty_kv_ptr(spec, max_planned), table)
         self._validated_layout = None
         return plan
+
+    def _short_row_plan(self, wave: SplitPlan, host_lens, ctas_per_sm: int, saturating: int | None) -> SplitPlan:
+        """The short-row rule's plan of these lengths (`plan_splits` with ``saturating`` CTAs), or
+        the wave model's ``wave`` where the rule does not apply: no saturating count (NVFP4), a
+        tuned program measured without the rule (its entry's `planner`: a tuned program launches
+        what the tuner measured), or rows that run dense under either rule."""
+        measured_by_waves = self.tuned_entry is not None and self.tuned_entry.planner == "waves" \
+            and self.tuned_entry.spec == self.split_spec
+        if saturating is None or measured_by_waves or dense_regardless(
+                host_lens.size * self.num_kv_heads, int(host_lens.max(initial=0)),
+                chunk_size=self.split_spec.chunk_size, num_sms=self.num_sms, ctas_per_sm=ctas_per_sm):
+            return wave
+        return plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size, num_sms=self.num_sms,
+                           ctas_per_sm=ctas_per_sm, saturating_ctas=saturating,
+                           kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
 
     def _split_occupancy(self) -> tuple[int, int | None]:
         """The split program's resident CTAs per SM (its registers bound them) and saturating CTAs

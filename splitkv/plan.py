@@ -154,22 +154,30 @@ def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max
         max_splits = _positive_int("max_splits", max_splits)
     if (saturating_ctas is None) != (kv_bytes_per_token is None):
         raise ValueError("saturating_ctas and kv_bytes_per_token: give both or neither")
+    if saturating_ctas is not None:
+        saturating_ctas = _positive_int("saturating_ctas", saturating_ctas)
+        kv_bytes_per_token = _positive_int("kv_bytes_per_token", kv_bytes_per_token)
+    return plan_splits_unchecked(lens, int(lens.max()), num_kv_heads, chunk_size, num_sms, ctas_per_sm, max_splits,
+                                 saturating_ctas, kv_bytes_per_token)
 
+
+def plan_splits_unchecked(lens, max_len, num_kv_heads, chunk_size, num_sms, ctas_per_sm, max_splits=None,
+                          saturating_ctas=None, kv_bytes_per_token=None):
+    """`plan_splits` of arguments the caller has checked, as the runtime holds them: ``lens`` an
+    int64 array (at least one length, none negative), ``max_len`` its longest, the rest positive
+    ints (or None). Checking them again, and finding the longest again, costs a plan µs each time."""
     units = lens.size * num_kv_heads
     slots = num_sms * ctas_per_sm
-    max_len = int(lens.max())
     if dense_regardless(units, max_len, chunk_size=chunk_size, num_sms=num_sms, ctas_per_sm=ctas_per_sm):
-        return _dense(lens, num_kv_heads, chunk_size)
+        return _dense(lens, num_kv_heads, chunk_size, max_len)
 
     # Every split count that keeps the grid within MAX_WAVES, capped so no split is under a chunk.
     limit = min(MAX_WAVES * slots // units, _ceil_div(max_len, chunk_size))
     if max_splits is not None:
         limit = min(limit, max_splits)
     if saturating_ctas is not None:
-        tokens_per_split = _fewest_saturating_split(
-            lens, num_kv_heads, chunk_size, num_sms, _positive_int("saturating_ctas", saturating_ctas), limit)
-        bytes_per_token = _positive_int("kv_bytes_per_token", kv_bytes_per_token)
-        if tokens_per_split is not None and tokens_per_split * bytes_per_token <= FEW_SPLITS_MAX_BYTES:
+        tokens_per_split = _fewest_saturating_split(lens, num_kv_heads, chunk_size, num_sms, saturating_ctas, limit)
+        if tokens_per_split is not None and tokens_per_split * kv_bytes_per_token <= FEW_SPLITS_MAX_BYTES:
             return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)
     tokens_per_split = _choose_tokens_per_split(max_len, units, slots, chunk_size, limit)
     return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)
@@ -180,7 +188,7 @@ def _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split):
     splits_per_seq = np.maximum(_ceil_div(lens, tokens_per_split), 1)
     num_splits = int(splits_per_seq.max())
     if num_splits == 1:
-        return _dense(lens, num_kv_heads, chunk_size)
+        return _dense(lens, num_kv_heads, chunk_size, int(lens.max()))
     return SplitPlan("split", tokens_per_split, num_splits, splits_per_seq,
                      lens.size * num_kv_heads * num_splits)
 
@@ -198,7 +206,7 @@ def fixed_plan(seq_lens, num_kv_heads, *, variant, chunk_size, num_splits=None):
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
     chunk_size = _positive_int("chunk_size", chunk_size)
     if variant == "dense":
-        return _dense(lens, num_kv_heads, chunk_size)
+        return _dense(lens, num_kv_heads, chunk_size, int(lens.max()))
     if variant != "split":
         raise ValueError(f"variant: expected 'dense' or 'split', got {variant!r}")
     max_len = max(int(lens.max()), 1)
@@ -330,7 +338,9 @@ def pack_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int) -> SplitPlan:
     if num_kv_heads % warps:
         raise ValueError(f"warp_heads: num_kv_heads {num_kv_heads} is not a multiple of the dense program's "
                          f"{warps} warps")
-    return dataclasses.replace(plan, heads_per_cta=warps, num_ctas=plan.num_ctas // warps)
+    # What dataclasses.replace(plan, heads_per_cta=..., num_ctas=...) builds, without its field lookups.
+    return SplitPlan(plan.variant, plan.tokens_per_split, plan.num_splits, plan.splits_per_seq,
+                     plan.num_ctas // warps, plan.row_tokens, heads_per_cta=warps)
 
 
 def span_plan(seq_lens, num_kv_heads, *, tile_tokens, num_ctas):
@@ -427,8 +437,9 @@ def _choose_tokens_per_split(max_len, units, slots, chunk_size, limit):
     return int(tokens[np.argmin(makespan)])  # argmin takes the first, i.e. fewest, of equal scores
 
 
-def _dense(lens, num_kv_heads, chunk_size):
-    tokens_per_split = chunk_size * max(1, _ceil_div(int(lens.max()), chunk_size))
+def _dense(lens, num_kv_heads, chunk_size, max_len):
+    """One CTA per row, its split as long as the longest sequence (``max_len``) in whole chunks."""
+    tokens_per_split = chunk_size * max(1, _ceil_div(max_len, chunk_size))
     return SplitPlan("dense", tokens_per_split, 1, np.ones(lens.size, dtype=np.int32),
                      lens.size * num_kv_heads)
 
@@ -443,11 +454,12 @@ def _check_lens(seq_lens):
         raise ValueError(f"seq_lens: expected a 1-D sequence of lengths, got shape {lens.shape}")
     if lens.size == 0:
         raise ValueError("seq_lens: the batch is empty; expected at least one sequence")
-    if not np.issubdtype(lens.dtype, np.integer):
+    if lens.dtype.kind not in "iu":  # np.issubdtype(lens.dtype, np.integer), in a tenth of the time
         raise ValueError(f"seq_lens: expected integers, got dtype {lens.dtype}")
-    if np.any(lens < 0):
+    if lens.dtype.kind == "i" and int(lens.min()) < 0:
         raise ValueError(f"seq_lens: lengths must be >= 0, got min {int(lens.min())}")
-    return lens.astype(np.int64)
+    # Read only, never written: int64 lengths (the runtime's) are taken as they are, not copied.
+    return lens.astype(np.int64, copy=False)
 
 
 def _positive_int(name, value):

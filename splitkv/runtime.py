@@ -26,12 +26,12 @@ from .autotune import lookup
 from .autotune.keys import TuneKey
 from .heuristics import default_spec, resident_ctas_per_sm, saturating_ctas, takes_whole_row_clusters
 from .quantize import QuantizedKV
-from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_plan, pack_heads, plan_splits, span_plan,
-                   wants_packed_heads, whole_row_ctas)
+from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_plan, pack_heads, plan_splits_unchecked,
+                   span_plan, wants_packed_heads, whole_row_ctas)
 from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS, UnitPlan, choose_kv_splits,
-                         may_route_to_units, predicted_makespan, split_plan_makespan)
+                         may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -81,6 +81,32 @@ class _Launch:
     empty_kv_ptr: int = 0  # tma with every length 0: one tile of memory for maps of an empty cache
     table: _BlockTable | None = None  # paged caches: the block table the plan reads through
     units: _UnitTables | None = None  # units plans: the work-unit tables on the device
+
+
+@dataclasses.dataclass
+class _SplitProgram:
+    """What plan() derives from one split program, kept while that program stays
+    (`DecodeAttention._split_program`): building or validating a spec costs tens of µs."""
+
+    spec: KernelSpec
+    ctas_per_sm: int  # resident CTAs per SM (its registers bound them)
+    saturating: int | None  # `heuristics.saturating_ctas`
+    clustered: dict = dataclasses.field(default_factory=dict)  # cluster size -> the program in such clusters
+    cluster_fit: dict = dataclasses.field(default_factory=dict)  # cluster size -> clusters resident at once
+    units: KernelSpec | None = None  # the units program of the same CTA shape
+
+    def in_clusters(self, cluster: int) -> KernelSpec:
+        """The split program with ``cluster`` CTAs per thread-block cluster."""
+        spec = self.clustered.get(cluster)
+        if spec is None:
+            spec = self.clustered[cluster] = self.spec.replace(cluster=cluster)
+        return spec
+
+    def as_units(self) -> KernelSpec:
+        """The units program of the split program's CTA shape (`KernelSpec.as_units`)."""
+        if self.units is None:
+            self.units = self.spec.as_units()
+        return self.units
 
 
 class DecodeAttention:
@@ -171,9 +197,10 @@ class DecodeAttention:
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
         self._extents: tuple = ()  # bytes each run() array spans, for the validated layout
-        self._cluster_fit: dict[int, int | None] = {}
+        self._split: _SplitProgram | None = None  # what plans derive from the split program
         self._packed_dense: tuple | None = None  # (dense program, its warp-per-head form)
-        self._occupancy: tuple | None = None  # (split program, CTAs per SM, saturating CTAs)
+        self._unit_merge_spec = dataclasses.replace(self.merge_spec, tables=True)  # units plans' merge program
+        self._loaded: dict[int, tuple] = {}  # id(spec) -> (spec, function, compile result), see _load
         self._workspace: dict[str, object] = {}
         self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
         self._order = streams.StreamOrder()  # plan() and run() in call order across streams
@@ -214,8 +241,10 @@ class DecodeAttention:
         plans and runs in call order whatever streams they use (an event after each; a call on
         another stream than the one before waits for it; the host never waits).
         """
-        with self._in_call_order(seq_lens if tensors.is_device_array(seq_lens) else None, stream):
-            return self._plan(seq_lens, max_len, variant, num_splits, warp_heads, block_table, validate, max_units)
+        on_device = tensors.is_device_array(seq_lens)
+        with self._in_call_order(seq_lens if on_device else None, stream):
+            return self._plan(seq_lens, on_device, max_len, variant, num_splits, warp_heads, block_table, validate,
+                              max_units)
 
     @contextlib.contextmanager
     def _in_call_order(self, like, stream):
@@ -229,9 +258,8 @@ class DecodeAttention:
                 yield ptr
                 self._order.leave(ptr, capturing)
 
-    def _plan(self, seq_lens, max_len, variant, num_splits, warp_heads, block_table, validate, max_units):
-        from .codegen.load import load_kernel
-
+    def _plan(self, seq_lens, on_device, max_len, variant, num_splits, warp_heads, block_table, validate, max_units):
+        """plan(); ``on_device``: whether ``seq_lens`` is a device array."""
         if warp_heads is not None and not isinstance(warp_heads, bool):
             raise TypeError(f"warp_heads: expected None, True or False, got {warp_heads!r}")
         if not isinstance(validate, bool):
@@ -240,18 +268,19 @@ class DecodeAttention:
             raise ValueError("block_table: paged caches need one (and only they take one); this instance reads "
                              + (f"pages of {self.page_size} tokens" if self.page_size else
                                 "contiguous caches (build it with page_size=... for paged ones)"))
-        lens = self._host_lengths(seq_lens, max_len)
+        lens = self._host_lengths(seq_lens, max_len, on_device)
         batch = lens.size
         host_lens = lens  # what the plan covers
-        if tensors.is_device_array(seq_lens) and max_len is not None and int(max_len) > int(lens.max()):
+        if on_device and max_len is not None and int(max_len) > int(lens.max()):
             # The caller may rewrite these lengths in place up to max_len before a (graph) replay:
             # plan for the longest one allowed. Host lengths are copied here and cannot grow.
             host_lens = lens.copy()
             host_lens[int(np.argmax(host_lens))] = int(max_len)
+        max_planned = int(host_lens.max(initial=0))  # the longest sequence the plan covers
         # The tuned program is dense, and the rows fill the GPU: no split was faster (on the
         # bucket's equal lengths; a long row among short ones still goes to the units below).
         forced_dense = self._tuned is not None and \
-            self._use_tuned(batch * self.num_kv_heads, int(host_lens.max(initial=0))) and variant is None
+            self._use_tuned(batch * self.num_kv_heads, max_planned) and variant is None
         may_grow = host_lens is not lens
         if variant == "units":
             if num_splits is not None or warp_heads:
@@ -263,29 +292,33 @@ class DecodeAttention:
                                  f"lengths may not grow up to max_len={int(max_len)} after it; plan() again "
                                  f"for each step's lengths (with max_units, a captured graph replays the "
                                  f"tables rewritten in place)")
-            return self._plan_units(seq_lens, lens, host_lens, block_table, validate, max_units)
+            return self._plan_units(seq_lens, on_device, lens, host_lens, block_table, validate, max_units)
         if max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")
-        ctas_per_sm, saturating = self._split_occupancy()
+        program = self._split_program()
+        ctas_per_sm = program.ctas_per_sm
+        # The planners' lengths, checked already: int64, which they take as they are (see
+        # plan.plan_splits_unchecked), converted once here.
+        planned = host_lens.astype(np.int64)
         if variant is None:
             if forced_dense:
-                wave = plan = fixed_plan(host_lens, self.num_kv_heads, variant="dense",
+                wave = plan = fixed_plan(planned, self.num_kv_heads, variant="dense",
                                          chunk_size=self.split_spec.chunk_size)
             else:
-                wave = plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
-                                   num_sms=self.num_sms, ctas_per_sm=ctas_per_sm)
-                plan = self._short_row_plan(wave, host_lens, ctas_per_sm, saturating)
+                wave = plan_splits_unchecked(planned, max_planned, self.num_kv_heads, self.split_spec.chunk_size,
+                                             self.num_sms, ctas_per_sm)
+                plan = self._short_row_plan(wave, planned, max_planned, ctas_per_sm, program.saturating)
             # The units' cost model counts tokens per CTA on every resident CTA, as the wave model
             # does: the routing judges the wave model's plan in those terms, and the short-row
             # rule's where it differs (fewer, longer splits may leave a long row to few CTAs among
             # short rows).
-            unit_plan = None if may_grow else self._units_pay(wave, host_lens, ctas_per_sm)
-            if unit_plan is None and plan != wave and not may_grow:
-                unit_plan = self._units_pay(plan, host_lens, ctas_per_sm)
+            unit_plan = None if may_grow else self._units_pay(wave, planned, max_planned, ctas_per_sm)
+            if unit_plan is None and plan is not wave and plan != wave and not may_grow:  # `is`: the common case
+                unit_plan = self._units_pay(plan, planned, max_planned, ctas_per_sm)
             if unit_plan is not None:
-                return self._plan_units(seq_lens, lens, host_lens, block_table, validate, None, unit_plan)
+                return self._plan_units(seq_lens, on_device, lens, host_lens, block_table, validate, None, unit_plan)
         else:
-            plan = fixed_plan(host_lens, self.num_kv_heads, variant=variant,
+            plan = fixed_plan(planned, self.num_kv_heads, variant=variant,
                               chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
         if warp_heads is None:
             warp_heads = wants_packed_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps, num_sms=self.num_sms)
@@ -293,19 +326,19 @@ class DecodeAttention:
             plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps)
         spec = self._packed_dense_spec() if plan.heads_per_cta > 1 else self.dense_spec
         if plan.variant == "split":
-            plan, cluster = fit_clusters(plan, host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
+            plan, cluster = fit_clusters(plan, planned, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
                                          max_cluster=self.split_spec.cluster,
                                          resident_clusters=self._max_active_clusters,
                                          kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
                                          may_resplit=variant is None,
                                          multi_cluster=self.split_spec.fused_merge,
                                          whole_row_ctas=whole_row_ctas(self.num_sms) if self._whole_row_clusters else None)
-            spec = self.split_spec.replace(cluster=cluster)
+            spec = program.in_clusters(cluster)
             if spec.span_rows:
                 # Equal shares of all rows' tiles: as many CTAs as are resident (or as the forced
                 # split count asks for).
                 slots = self.num_sms * ctas_per_sm if variant is None else plan.num_ctas
-                plan = span_plan(host_lens, self.num_kv_heads, tile_tokens=spec.tile_tokens, num_ctas=slots)
+                plan = span_plan(planned, self.num_kv_heads, tile_tokens=spec.tile_tokens, num_ctas=slots)
         if spec.cluster > 1 and plan.num_splits != spec.cluster and not spec.fused_merge:
             # Several clusters per row leave one partial per cluster, which only the fused merge reads.
             raise RuntimeError(f"planner bug: {plan.num_splits} splits in clusters of {spec.cluster} "
@@ -315,10 +348,10 @@ class DecodeAttention:
                                f"the tile ({spec.tile_tokens} tokens); {describe(plan)}")
         # Everything that may raise comes before the first write to a buffer the live plan uses.
         checked_table = self._check_table(block_table, lens, host_lens, validate) if self.page_size else None
-        decode_fn, _ = load_kernel(spec)
+        decode_fn, _ = self._load(spec)
         merge_fn = None
         if plan.variant == "split" and not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place
-            merge_fn, _ = load_kernel(self.merge_spec)
+            merge_fn, _ = self._load(self.merge_spec)
         grid, span_args = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch), ()
         if not plan.row_tokens and max(grid[1], grid[2]) > _MAX_GRID_YZ:
             raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "
@@ -343,9 +376,8 @@ class DecodeAttention:
             if spec.fused_merge or spec.steal_tiles:
                 counters = self._buffer("counters", num_counters, np.int32, zero=True)
         table = self._write_table(checked_table) if self.page_size else None
-        device_lens = self._device_lens(seq_lens, lens)
+        device_lens = self._device_lens(seq_lens, on_device, lens)
         workspace = (partial_o, partial_lse, counters)
-        max_planned = int(host_lens.max(initial=0))
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, max_planned,
                                grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
                                _pointers(workspace), span_args,
@@ -353,7 +385,8 @@ class DecodeAttention:
         self._validated_layout = None
         return plan
 
-    def _short_row_plan(self, wave: SplitPlan, host_lens, ctas_per_sm: int, saturating: int | None) -> SplitPlan:
+    def _short_row_plan(self, wave: SplitPlan, planned, max_planned: int, ctas_per_sm: int,
+                        saturating: int | None) -> SplitPlan:
         """The short-row rule's plan of these lengths (`plan_splits` with ``saturating`` CTAs), or
         the wave model's ``wave`` where the rule does not apply: no saturating count (NVFP4), a
         tuned program measured without the rule (its entry's `planner`: a tuned program launches
@@ -361,30 +394,43 @@ class DecodeAttention:
         measured_by_waves = self.tuned_entry is not None and self.tuned_entry.planner == "waves" \
             and self.tuned_entry.spec == self.split_spec
         if saturating is None or measured_by_waves or dense_regardless(
-                host_lens.size * self.num_kv_heads, int(host_lens.max(initial=0)),
+                planned.size * self.num_kv_heads, max_planned,
                 chunk_size=self.split_spec.chunk_size, num_sms=self.num_sms, ctas_per_sm=ctas_per_sm):
             return wave
-        return plan_splits(host_lens, self.num_kv_heads, chunk_size=self.split_spec.chunk_size, num_sms=self.num_sms,
-                           ctas_per_sm=ctas_per_sm, saturating_ctas=saturating,
-                           kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
+        return plan_splits_unchecked(planned, max_planned, self.num_kv_heads, self.split_spec.chunk_size,
+                                     self.num_sms, ctas_per_sm, saturating_ctas=saturating,
+                                     kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
 
-    def _split_occupancy(self) -> tuple[int, int | None]:
-        """The split program's resident CTAs per SM (its registers bound them) and saturating CTAs
-        (`heuristics.saturating_ctas`), kept while the split program stays."""
-        from .codegen.load import load_kernel
-
-        if self._occupancy is None or self._occupancy[0] != self.split_spec:
-            _, compiled = load_kernel(self.split_spec)
-            self._occupancy = (self.split_spec, resident_ctas_per_sm(self.split_spec, compiled.registers),
-                               saturating_ctas(self.split_spec))
-        return self._occupancy[1:]
+    def _split_program(self) -> _SplitProgram:
+        """The split program's resident CTAs per SM, saturating CTAs and derived programs
+        (`_SplitProgram`), kept while the split program stays."""
+        held = self._split
+        if held is None or not _same_spec(held.spec, self.split_spec):
+            spec = self.split_spec
+            _, compiled = self._load(spec)
+            held = self._split = _SplitProgram(spec, resident_ctas_per_sm(spec, compiled.registers),
+                                               saturating_ctas(spec))
+        return held
 
     def _packed_dense_spec(self) -> KernelSpec:
         """The dense program with a warp per K/V head, kept while the dense program stays (building
         and validating a spec is a sizeable part of a plan's host time)."""
-        if self._packed_dense is None or self._packed_dense[0] != self.dense_spec:
+        if self._packed_dense is None or not _same_spec(self._packed_dense[0], self.dense_spec):
             self._packed_dense = (self.dense_spec, self.dense_spec.replace(warp_heads=True))
         return self._packed_dense[1]
+
+    def _load(self, spec) -> tuple:
+        """`load_kernel(spec)`: (function, compile result), kept per spec object, since the loader's
+        own cache hashes every field of the spec on each call. The specs plans launch are kept by
+        this instance (`_split_program`, `_packed_dense_spec`), so the same objects come back."""
+        held = self._loaded.get(id(spec))
+        if held is None or held[0] is not spec:  # the id of a spec since dropped may be reused
+            from .codegen.load import load_kernel
+
+            if len(self._loaded) >= _MAX_LOADED:  # specs an instance no longer uses (tuned entries, say)
+                self._loaded.clear()
+            held = self._loaded[id(spec)] = (spec, *load_kernel(spec))
+        return held[1:]
 
     def _use_tuned(self, rows: int, max_len: int) -> bool:
         """Take the programs of the tuned entry nearest this workload (`lookup.programs_for`); True
@@ -392,47 +438,46 @@ class DecodeAttention:
         entry = self._tuned.entry_for(rows, max_len)
         split, dense, forced = lookup.programs_for(entry.spec if entry else None, self.arch, self._tuned.key, rows,
                                                    self.num_sms)
-        if split != self.split_spec:
-            self.split_spec = split
+        if not _same_spec(split, self.split_spec):
+            self.split_spec = split  # _split_program follows
             self._whole_row_clusters = takes_whole_row_clusters(split)
-            self._cluster_fit.clear()
         self.dense_spec, self.tuned_entry = dense, entry
         return forced
 
-    def _device_lens(self, seq_lens, lens: np.ndarray):
-        """The lengths the programs read: the caller's device array (lengths it rewrites in place
-        reach graph replays), or the plan's copy of host lengths."""
-        if tensors.is_device_array(seq_lens):
+    def _device_lens(self, seq_lens, on_device: bool, lens: np.ndarray):
+        """The lengths the programs read: the caller's device array (``on_device``; lengths it
+        rewrites in place reach graph replays), or the plan's copy of host lengths."""
+        if on_device:
             return tensors.to_cupy(seq_lens)
         device_lens = self._buffer("seq_lens", lens.size, np.int32)
         device_lens.set(lens)
         return device_lens
 
-    def _units_pay(self, plan: SplitPlan, host_lens, ctas_per_sm: int) -> UnitPlan | None:
-        """The work-unit plan of these lengths when the cost model predicts it `ROUTE_FACTOR` times
-        faster than the split planner's ``plan`` (user-given CTAs that span rows keep theirs)."""
+    def _units_pay(self, plan: SplitPlan, planned, max_planned: int, ctas_per_sm: int) -> UnitPlan | None:
+        """The work-unit plan of these lengths (``planned``, the longest ``max_planned``) when the
+        cost model predicts it `ROUTE_FACTOR` times faster than the split planner's ``plan``
+        (user-given CTAs that span rows keep theirs)."""
         if self.split_spec.span_rows or plan.heads_per_cta > 1:
             return None
         slots = self.num_sms * ctas_per_sm
-        per_split = plan.tokens_per_split if plan.variant == "split" else max(int(host_lens.max(initial=0)), 1)
-        if not may_route_to_units(host_lens, self.num_kv_heads, per_split, slots):  # the common case, in O(rows)
+        per_split = plan.tokens_per_split if plan.variant == "split" else max(max_planned, 1)
+        if not may_route_to_units_unchecked(planned, max_planned, self.num_kv_heads, per_split, slots):  # in O(batch)
             return None
-        units = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots)
-        split_cost = split_plan_makespan(host_lens, self.num_kv_heads, per_split, slots)
-        return units if split_cost > ROUTE_FACTOR * predicted_makespan(units, host_lens) else None
+        units = choose_kv_splits(planned, self.num_kv_heads, block_size=self._unit_block, slots=slots)
+        split_cost = split_plan_makespan(planned, self.num_kv_heads, per_split, slots)
+        return units if split_cost > ROUTE_FACTOR * predicted_makespan(units, planned) else None
 
     @property
     def _unit_block(self) -> int:
         """Units start on blocks: whole chunks (so a unit's tiles fall evenly on the warps), whole pages."""
         return max(self.split_spec.chunk_size, self.page_size)
 
-    def _plan_units(self, seq_lens, lens, host_lens, block_table, validate, max_units, plan=None) -> UnitPlan:
+    def _plan_units(self, seq_lens, on_device, lens, host_lens, block_table, validate, max_units,
+                    plan=None) -> UnitPlan:
         """plan(variant='units'): the unit tables for ``host_lens`` (``plan``, when already made), on
         this GPU's resident CTAs."""
-        from .codegen.load import load_kernel
-
-        spec = self.split_spec.as_units()
-        decode_fn, compiled = load_kernel(spec)
+        spec = self._split_program().as_units()
+        decode_fn, compiled = self._load(spec)
         if plan is None:
             slots = self.num_sms * resident_ctas_per_sm(spec, compiled.registers)
             plan = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots)
@@ -448,8 +493,8 @@ class DecodeAttention:
         max_merges = rows if static else max(len(plan.merges), 1)
         merge_fn, merge_blocks = None, 0
         if plan.split or static:
-            merge_spec = dataclasses.replace(self.merge_spec, tables=True)
-            merge_fn, _ = load_kernel(merge_spec)
+            merge_spec = self._unit_merge_spec
+            merge_fn, _ = self._load(merge_spec)
             warps = merge_spec.threads // 32
             merge_blocks = -(-max_merges * self.group_size // warps)
         # Everything that may raise comes before the first write to a buffer the live plan uses
@@ -464,7 +509,7 @@ class DecodeAttention:
         partial_o = self._buffer("partial_o", max(slots_held, 1) * width, np.float32)
         partial_lse = self._buffer("partial_lse", max(slots_held, 1) * self.group_size, np.float32)
         table = self._write_table(checked_table) if self.page_size else None
-        device_lens = self._device_lens(seq_lens, lens)
+        device_lens = self._device_lens(seq_lens, on_device, lens)
         workspace = (partial_o, partial_lse, None)
         units = _UnitTables(tables, np.uint64(tables.data.ptr), max_units, merge_blocks)
         max_planned = int(host_lens.max(initial=0))
@@ -518,14 +563,14 @@ class DecodeAttention:
 
     def _max_active_clusters(self, cluster: int) -> int | None:
         """Clusters of ``cluster`` split CTAs resident at once on this GPU (None: unknown)."""
-        from .codegen.load import load_kernel
-        from .codegen.occupancy import max_active_clusters
+        program = self._split_program()
+        if cluster not in program.cluster_fit:
+            from .codegen.occupancy import max_active_clusters
 
-        if cluster not in self._cluster_fit:
-            spec = self.split_spec.replace(cluster=cluster)
-            function, _ = load_kernel(spec)
-            self._cluster_fit[cluster] = max_active_clusters(function, cluster, spec.threads, spec.smem_bytes)
-        return self._cluster_fit[cluster]
+            spec = program.in_clusters(cluster)
+            function, _ = self._load(spec)
+            program.cluster_fit[cluster] = max_active_clusters(function, cluster, spec.threads, spec.smem_bytes)
+        return program.cluster_fit[cluster]
 
     @property
     def plan_info(self) -> str:
@@ -540,10 +585,14 @@ class DecodeAttention:
         return (f"{p.variant}: {p.num_splits} split(s) of {p.tokens_per_split} tokens, {p.num_ctas} CTAs "
                 f"on {self.num_sms} SMs; {self._launch.spec.name}")
 
-    def _host_lengths(self, seq_lens, max_len) -> np.ndarray:
+    def _host_lengths(self, seq_lens, max_len, on_device: bool | None = None) -> np.ndarray:
+        """The lengths, checked, as int32 on the host (device ones read back); ``on_device``: whether
+        they are a device array, when the caller knows already."""
         if seq_lens is None:
             raise ValueError("seq_lens: plan() needs the lengths (host ints or a device int32 array)")
-        if tensors.is_device_array(seq_lens):
+        if on_device is None:
+            on_device = tensors.is_device_array(seq_lens)
+        if on_device:
             # the one synchronisation of plan()
             seq_lens = _read_back_lengths(seq_lens, None, self.device, "this DecodeAttention runs on")
         host = np.asarray(seq_lens)
@@ -558,16 +607,18 @@ class DecodeAttention:
         import cupy
 
         held = self._workspace.get(name)
-        if held is None or held.size < size:
+        fresh = held is None or held.size < size
+        if fresh:
             if held is not None:
                 # The block returns to the pool of the stream it was allocated on, which may hand it
                 # out at once; runs on other streams may still use it. A rare sync: buffers only grow.
                 self._order.synchronize()
             held = cupy.zeros(max(size, 1), dtype=dtype)
             self._workspace[name] = held
-        elif zero:
-            held[:size].fill(0)
-        return held[:size]
+        view = held if held.size == size else held[:size]  # a slice of a CuPy array costs a µs or two
+        if zero and not fresh:  # a fresh buffer is zeros already
+            view.fill(0)
+        return view
 
     # ---- running (no sync, no allocation when out/lse are given, no compile) -------------------
     def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False, stream=None):
@@ -851,6 +902,16 @@ def _kv_shape(k) -> tuple:
         k = k.values
     shape = getattr(k, "shape", None)
     return tuple(int(n) for n in (shape if shape is not None else tensors.describe(k, "k").shape))
+
+
+#: Compiled programs `DecodeAttention._load` keeps per instance before starting afresh.
+_MAX_LOADED = 32
+
+
+def _same_spec(held, spec) -> bool:
+    """Whether what was derived from spec ``held`` serves ``spec``: the same object, or an equal one
+    (comparing two specs field by field costs about a µs, so identity is tried first)."""
+    return held is spec or held == spec
 
 
 def _pointers(arrays) -> tuple:

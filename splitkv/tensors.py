@@ -618,13 +618,14 @@ def _check_host_seq_lens(seq_lens: Any, batch: int, max_len: int) -> np.ndarray:
         raise TypeError(f"seq_lens: expected integer lengths, got dtype {lens.dtype}")
     if lens.shape[0] != batch:
         raise ValueError(f"seq_lens: expected {batch} lengths (the batch of q), got {lens.shape[0]}")
+    longest = int(lens.max(initial=0))
     if max_len is None:
-        max_len = int(lens.max(initial=0))
+        max_len = longest
     if max_len > _INT32_MAX:  # the programs index tokens with int32
         raise ValueError(f"seq_lens: lengths above {_INT32_MAX} tokens are not supported, got {max_len}")
-    bad = np.flatnonzero((lens < 0) | (lens > max_len))
-    if bad.size:
-        i = int(bad[0])
+    # Two reductions say whether any length is out of range; only then is the first one looked for.
+    if lens.size and (longest > max_len or int(lens.min()) < 0):
+        i = int(np.flatnonzero((lens < 0) | (lens > max_len))[0])
         raise ValueError(f"seq_lens: expected every length in 0..{max_len} (max_len, k.shape[1]), "
                          f"got seq_lens[{i}] = {int(lens[i])}")
     return np.ascontiguousarray(lens, dtype=np.int32)

@@ -71,6 +71,10 @@ class CostModel:
         _positive_int("max_ways", self.max_ways)
 
 
+#: The default costs, built once (a CostModel validates itself, so building one per plan costs µs).
+_DEFAULT_COSTS = CostModel()
+
+
 @dataclass(frozen=True)
 class UnitPlan:
     """The unit and merge tables of one decode call (see the module notes), with the predicted
@@ -193,7 +197,7 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
     block_size = _positive_int("block_size", block_size)
     slots = _positive_int("slots", slots)
-    costs = costs if costs is not None else CostModel()
+    costs = costs if costs is not None else _DEFAULT_COSTS
 
     row_tokens = np.repeat(lens, num_kv_heads)  # row r = sequence r // Hkv, K/V head r % Hkv
     row_blocks = -(-row_tokens // block_size)
@@ -281,14 +285,14 @@ def max_units(max_rows: int, slots: int, costs: CostModel | None = None) -> int:
     any plan may split its rows in proportion to their lengths (at most ``rows + slots`` pieces:
     the pieces average at least a slot's load over the slots). Merges number at most the rows."""
     max_rows, slots = _positive_int("max_rows", max_rows), _positive_int("slots", slots)
-    costs = costs if costs is not None else CostModel()
+    costs = costs if costs is not None else _DEFAULT_COSTS
     searched = min(max_rows, SPLIT_WAVES * slots - 1)
     return max(max_rows + slots, searched * costs.max_ways, slots)
 
 
 def predicted_makespan(plan: UnitPlan, seq_lens, costs: CostModel | None = None) -> float:
     """The cost model's makespan of ``plan`` for these lengths (LPT over its units, plus the merge)."""
-    costs = costs if costs is not None else CostModel()
+    costs = costs if costs is not None else _DEFAULT_COSTS
     tokens = unit_tokens(plan, seq_lens)
     total = lpt_makespan(tokens + costs.unit_overhead, plan.slots)
     return total + float(_merge_cost(plan.num_partials, plan.slots, costs))
@@ -323,15 +327,23 @@ def may_route_to_units(seq_lens, num_kv_heads: int, tokens_per_split: int, slots
     slower than any unit plan, without planning the units: a list schedule ends by the average
     load plus the longest job (Graham), and no unit plan beats the rows' average load. True means
     that the plans must be compared."""
-    costs = costs if costs is not None else CostModel()
+    lens = _check_lens(seq_lens)
+    return may_route_to_units_unchecked(lens, int(lens.max()), _positive_int("num_kv_heads", num_kv_heads),
+                                        _positive_int("tokens_per_split", tokens_per_split), slots, costs)
+
+
+def may_route_to_units_unchecked(lens, max_len: int, num_kv_heads: int, tokens_per_split: int, slots: int,
+                                 costs: CostModel | None = None) -> bool:
+    """`may_route_to_units` of arguments the caller has checked (see `plan.plan_splits_unchecked`):
+    ``lens`` an int64 array, ``max_len`` its longest."""
+    costs = costs if costs is not None else _DEFAULT_COSTS
     # Per sequence: each of its num_kv_heads rows has the same tokens and pieces (O(batch), not O(rows)).
-    lens = _check_lens(seq_lens).astype(np.int64)
-    heads = _positive_int("num_kv_heads", num_kv_heads)
-    per = _positive_int("tokens_per_split", tokens_per_split)
+    heads, per = num_kv_heads, tokens_per_split
     tokens = float(lens.sum()) * heads
-    pieces = float(np.maximum(-(-lens // per), 1).sum()) * heads
-    split_bound = (tokens + costs.unit_overhead * pieces) / slots + min(per, int(lens.max(initial=0))) \
-        + costs.unit_overhead
+    # A piece per sequence where the pieces are as long as the longest (a dense plan's).
+    sequence_pieces = lens.size if per >= max_len else np.maximum(-(-lens // per), 1).sum()
+    pieces = float(sequence_pieces) * heads
+    split_bound = (tokens + costs.unit_overhead * pieces) / slots + min(per, max_len) + costs.unit_overhead
     units_bound = (tokens + costs.unit_overhead * (lens.size * heads)) / slots
     return split_bound > ROUTE_FACTOR * units_bound
 
@@ -341,7 +353,7 @@ def split_plan_makespan(seq_lens, num_kv_heads: int, tokens_per_split: int, slot
     """The cost model's makespan of a split plan (`plan.SplitPlan`): every row cut into pieces of
     ``tokens_per_split`` tokens (one piece per row for a dense plan: pass the longest length), one
     CTA each, in LPT order on ``slots`` slots. Merges are left out (clusters merge in place)."""
-    costs = costs if costs is not None else CostModel()
+    costs = costs if costs is not None else _DEFAULT_COSTS
     row_tokens, per, pieces = _split_pieces(seq_lens, num_kv_heads, tokens_per_split)
     last = row_tokens - (pieces - 1) * per
     full = np.full(int((pieces - 1).sum()), per, dtype=np.int64)
@@ -422,5 +434,5 @@ def _tables(row_tokens, row_blocks, ways, num_kv_heads, block_size):
 
 
 __all__ = ["BUFFER_HEADER", "CostModel", "MERGE_FIELDS", "NO_PARTIAL", "ROUTE_FACTOR", "UNIT_FIELDS", "UnitPlan",
-           "choose_kv_splits", "lpt_makespan", "max_units", "may_route_to_units", "predicted_makespan",
-           "split_plan_makespan", "unit_tokens"]
+           "choose_kv_splits", "lpt_makespan", "max_units", "may_route_to_units", "may_route_to_units_unchecked",
+           "predicted_makespan", "split_plan_makespan", "unit_tokens"]

@@ -530,6 +530,31 @@ def test_runtime_takes_rows_as_sequences_times_kv_heads(fake_gpu):
     assert _shape(launched) == _shape(TUNED_SPLIT)
 
 
+def test_what_plans_keep_of_the_split_program_follows_the_tuned_entry(fake_gpu, monkeypatch):
+    """plan() keeps what it derives from the split program (the program in clusters of each size,
+    and how many such clusters are resident) between plans; when the nearest tuned entry changes
+    the split program, all of it follows. Here the table's split program (b1-l32k) takes more
+    shared memory than the built-in one (b1-l2k) and none of its clusters fit, so its plans take no
+    cluster while the built-in program's take whole-row clusters: plans alternating between the
+    two must not take each other's clusters, nor the other program in clusters."""
+    from splitkv.codegen import occupancy
+
+    builtin = default_spec(ARCH, 128, 4)
+    wide = TUNED_SPLIT.replace(cluster=16)  # clusters allowed, but a deeper ring than the built-in one's
+    sizes = range(1, 17)
+    fits_below = max(builtin.replace(cluster=c).smem_bytes for c in sizes) + 1
+    assert min(wide.replace(cluster=c).smem_bytes for c in sizes) >= fits_below
+    monkeypatch.setattr(occupancy, "max_active_clusters",
+                        lambda function, cluster, threads, smem: 132 // cluster if smem < fits_below else 0)
+    save_table(fake_gpu.tables, [entry("b1-l32k", wide), entry("b1-l2k", None)])
+    attn = splitkv.DecodeAttention(32, 8, 128)
+    for _ in range(2):
+        tuned = _launched(fake_gpu, attn, [32768])
+        assert attn.tuned_entry.spec == wide and tuned == wide.replace(cluster=1)
+        clustered = _launched(fake_gpu, attn, [2048])
+        assert attn.tuned_entry.spec is None and clustered == builtin.replace(cluster=8)
+
+
 def test_runtime_ignores_the_table_when_told_or_given_programs(fake_gpu):
     """tuned=False, or a spec= given, keeps the table out: no source, the heuristic's or the given shapes."""
     _runtime_table(fake_gpu)

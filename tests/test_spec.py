@@ -237,6 +237,17 @@ def test_default_paged_shapes_copy_small_pages_per_lane():
     assert default_spec("sm_90", 128, 4, page_size=1, kv_layout="HND").kv_layout == "HND"
 
 
+def test_dense_programs_on_pages_shorter_than_16_tokens_take_the_split_tiles():
+    # Per-lane copies of a row per page: the rows in flight count, so the dense program keeps the
+    # split's 32-token tiles two deep there (contiguous caches without tensor maps keep 16 three deep).
+    for arch, page_size in (("sm_90", 1), ("sm_90", 4), ("sm_80", 8)):
+        dense = default_spec(arch, 128, 4, variant="dense", page_size=page_size)
+        assert (dense.tile_tokens, dense.stages) == (32, 2), (arch, page_size, dense.name)
+    for page_size in (0, 16):
+        dense = default_spec("sm_80", 128, 4, variant="dense", page_size=page_size)
+        assert (dense.tile_tokens, dense.stages) == (16, 3), (page_size, dense.name)
+
+
 def test_whole_row_clusters_are_left_out_for_pages_shorter_than_a_tile():
     from splitkv.heuristics import takes_whole_row_clusters
 

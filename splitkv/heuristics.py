@@ -44,16 +44,17 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     82.5).
 
     Paged caches (``page_size`` > 0) keep these shapes; tensor maps take pages of 8 tokens and more
-    (a box per page when pages are shorter than a tile), shorter pages per-lane copies, and the
-    dense program the split's tiles there.
+    (a box per page when pages are shorter than a tile), shorter pages per-lane copies; on pages
+    shorter than 16 tokens the dense program takes the split's tiles.
     """
     dense = variant == "dense"
     tma = (arch_number(arch) >= 90 and rows_fit_tma_boxes(head_dim, kv_dtype)
            and (page_size == 0 or page_size >= TMA_SWIZZLE_ROWS))
-    # Pages shorter than a 16-token tile put every row on a page of its own: there the rows in
-    # flight per CTA count, and the split shape's 32-token tiles two deep beat 16 three deep
-    # (H200, pages of 1 in a random order, 32/8, D=128: B=16 x 4k 81.4 µs against 89.4, B=64 x 1k
-    # 83.3 against 94.4; the batch fills the SMs once, so no second CTA shares one).
+    # Pages shorter than the 16-token tile split every tile over several pages, a row per page at
+    # the shortest: there the rows in flight per CTA count, and the split shape's 32-token tiles two
+    # deep beat 16 three deep (H200, pages of 1 in a random order, 32/8, D=128: B=16 x 4k 81.4 µs
+    # against 89.4, B=64 x 1k 83.3 against 94.4; the batch fills the SMs once, so no second CTA
+    # shares one). Pages of 2 to 8 follow pages of 1 here unmeasured.
     short_pages = 0 < page_size < 16
     small_dense = dense and not tma and kv_dtype not in QUANTIZED_KV_DTYPES and not short_pages
     tile = 16 if head_dim > 128 or small_dense else 32

@@ -93,7 +93,6 @@ class _SplitProgram:
     saturating: int | None  # `heuristics.saturating_ctas`
     clustered: dict = dataclasses.field(default_factory=dict)  # cluster size -> the program in such clusters
     cluster_fit: dict = dataclasses.field(default_factory=dict)  # cluster size -> clusters resident at once
-    units: KernelSpec | None = None  # the units program of the same CTA shape
 
     def in_clusters(self, cluster: int) -> KernelSpec:
         """The split program with ``cluster`` CTAs per thread-block cluster."""
@@ -102,11 +101,6 @@ class _SplitProgram:
             spec = self.clustered[cluster] = self.spec.replace(cluster=cluster)
         return spec
 
-    def as_units(self) -> KernelSpec:
-        """The units program of the split program's CTA shape (`KernelSpec.as_units`)."""
-        if self.units is None:
-            self.units = self.spec.as_units()
-        return self.units
 
 
 class DecodeAttention:
@@ -199,6 +193,7 @@ class DecodeAttention:
         self._extents: tuple = ()  # bytes each run() array spans, for the validated layout
         self._split: _SplitProgram | None = None  # what plans derive from the split program
         self._packed_dense: tuple | None = None  # (dense program, its warp-per-head form)
+        self._units: tuple | None = None  # (split program, the units program of its CTA shape)
         self._unit_merge_spec = dataclasses.replace(self.merge_spec, tables=True)  # units plans' merge program
         self._loaded: dict[int, tuple] = {}  # id(spec) -> (spec, function, compile result), see _load
         self._workspace: dict[str, object] = {}
@@ -419,17 +414,26 @@ class DecodeAttention:
             self._packed_dense = (self.dense_spec, self.dense_spec.replace(warp_heads=True))
         return self._packed_dense[1]
 
+    def _units_spec(self) -> KernelSpec:
+        """The units program of the split program's CTA shape (`KernelSpec.as_units`), kept while the
+        split program stays; the split program itself is not loaded for it."""
+        if self._units is None or not _same_spec(self._units[0], self.split_spec):
+            self._units = (self.split_spec, self.split_spec.as_units())
+        return self._units[1]
+
     def _load(self, spec) -> tuple:
-        """`load_kernel(spec)`: (function, compile result), kept per spec object, since the loader's
-        own cache hashes every field of the spec on each call. The specs plans launch are kept by
-        this instance (`_split_program`, `_packed_dense_spec`), so the same objects come back."""
+        """`load_kernel(spec)` on this instance's GPU, whichever is current: (function, compile
+        result), kept per spec object, since the loader's own cache hashes every field of the spec
+        on each call. The specs plans launch are kept by this instance (`_split_program`,
+        `_packed_dense_spec`, `_units_spec`), so the same objects come back."""
         held = self._loaded.get(id(spec))
         if held is None or held[0] is not spec:  # the id of a spec since dropped may be reused
             from .codegen.load import load_kernel
 
             if len(self._loaded) >= _MAX_LOADED:  # specs an instance no longer uses (tuned entries, say)
                 self._loaded.clear()
-            held = self._loaded[id(spec)] = (spec, *load_kernel(spec))
+            with streams.on_device(self.device):  # a module is loaded into the current device's context
+                held = self._loaded[id(spec)] = (spec, *load_kernel(spec))
         return held[1:]
 
     def _use_tuned(self, rows: int, max_len: int) -> bool:
@@ -476,7 +480,7 @@ class DecodeAttention:
                     plan=None) -> UnitPlan:
         """plan(variant='units'): the unit tables for ``host_lens`` (``plan``, when already made), on
         this GPU's resident CTAs."""
-        spec = self._split_program().as_units()
+        spec = self._units_spec()
         decode_fn, compiled = self._load(spec)
         if plan is None:
             slots = self.num_sms * resident_ctas_per_sm(spec, compiled.registers)
@@ -569,7 +573,8 @@ class DecodeAttention:
 
             spec = program.in_clusters(cluster)
             function, _ = self._load(spec)
-            program.cluster_fit[cluster] = max_active_clusters(function, cluster, spec.threads, spec.smem_bytes)
+            with streams.on_device(self.device):  # the query runs in the function's context
+                program.cluster_fit[cluster] = max_active_clusters(function, cluster, spec.threads, spec.smem_bytes)
         return program.cluster_fit[cluster]
 
     @property

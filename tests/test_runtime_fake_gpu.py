@@ -14,6 +14,7 @@ import pytest
 
 from splitkv import runtime, streams, tensors
 from splitkv.heuristics import default_spec
+from splitkv.spec import MergeSpec
 from tests.test_inputs import FakeCAI
 
 _next_address = [0x7E00_0000_0000]
@@ -220,6 +221,24 @@ def test_plan_and_run_switch_to_the_device_of_the_instance(fake_gpu):
     attn.run(q, k, v)
     assert [launch.device for launch in fake_gpu.launches] == [1]
     assert fake_gpu.current == 0
+
+
+def test_cluster_queries_made_on_another_device_load_on_the_instances(fake_gpu):
+    # The occupancy of a cluster size may be asked for outside plan(), with another GPU current: the
+    # program it loads (and later plans reuse) must still live on the instance's GPU.
+    attn = runtime.DecodeAttention(8, 2, 128, device=1)
+    assert fake_gpu.current == 0
+    attn._max_active_clusters(8)
+    attn.plan([3000, 1500], variant="split", num_splits=8)
+    assert {device for _, device in fake_gpu.loads} == {1}
+    assert fake_gpu.current == 0
+
+
+def test_units_plans_load_no_split_program(fake_gpu):
+    attn = runtime.DecodeAttention(32, 8, 128, tuned=False)
+    attn.plan([4096, 100], variant="units")
+    decode_programs = [spec for spec, _ in fake_gpu.loads if not isinstance(spec, MergeSpec)]
+    assert {spec.variant for spec in decode_programs} == {"units"}, [spec.name for spec in decode_programs]
 
 
 def test_decode_keys_its_instances_by_the_resolved_device(fake_gpu):

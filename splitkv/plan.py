@@ -176,7 +176,8 @@ def plan_splits_unchecked(lens, max_len, num_kv_heads, chunk_size, num_sms, ctas
     if max_splits is not None:
         limit = min(limit, max_splits)
     if saturating_ctas is not None:
-        tokens_per_split = _fewest_saturating_split(lens, num_kv_heads, chunk_size, num_sms, saturating_ctas, limit)
+        tokens_per_split = _fewest_saturating_split(lens, max_len, num_kv_heads, chunk_size, num_sms, saturating_ctas,
+                                                    limit)
         if tokens_per_split is not None and tokens_per_split * kv_bytes_per_token <= FEW_SPLITS_MAX_BYTES:
             return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)
     tokens_per_split = _choose_tokens_per_split(max_len, units, slots, chunk_size, limit)
@@ -399,13 +400,12 @@ def describe(plan: SplitPlan) -> str:
 
 # ---- helpers ------------------------------------------------------------------------------------
 
-def _fewest_saturating_split(lens, num_kv_heads, chunk_size, num_sms, saturating_ctas, limit):
-    """Split length of the fewest splits (up to ``limit``) of the longest sequence whose streaming
+def _fewest_saturating_split(lens, max_len, num_kv_heads, chunk_size, num_sms, saturating_ctas, limit):
+    """Split length of the fewest splits (up to ``limit``) of the longest sequence (``max_len``) whose streaming
     CTAs (every non-empty row's pieces, so ragged batches count what they really stream) reach
     ``saturating_ctas``; of those, the first that cuts the longest row into a power of two of
     splits with its CTAs still one per SM, else the fewest. None where no count up to ``limit``
     reaches it (the rule's premise fails: the wave model plans instead)."""
-    max_len = int(lens.max())
     # Of 1..limit splits (see plan_splits): the longest row's pieces alone reach the count at
     # ceil(saturating / heads) splits; twice that leaves room for the next power of two.
     limit = min(limit, 2 * _ceil_div(saturating_ctas, num_kv_heads))

@@ -102,7 +102,6 @@ class _SplitProgram:
         return spec
 
 
-
 class DecodeAttention:
     """Decode attention for a fixed head layout, planned once per step and run once per layer.
 
@@ -192,8 +191,7 @@ class DecodeAttention:
         self._validated_layout: tuple | None = None
         self._extents: tuple = ()  # bytes each run() array spans, for the validated layout
         self._split: _SplitProgram | None = None  # what plans derive from the split program
-        self._packed_dense: tuple | None = None  # (dense program, its warp-per-head form)
-        self._units: tuple | None = None  # (split program, the units program of its CTA shape)
+        self._derived: dict[str, tuple] = {}  # what derives from a program, see _kept
         self._unit_merge_spec = dataclasses.replace(self.merge_spec, tables=True)  # units plans' merge program
         self._loaded: dict[int, tuple] = {}  # id(spec) -> (spec, function, compile result), see _load
         self._workspace: dict[str, object] = {}
@@ -407,19 +405,22 @@ class DecodeAttention:
                                                saturating_ctas(spec))
         return held
 
+    def _kept(self, name: str, source: KernelSpec, derive) -> KernelSpec:
+        """``derive(source)``, kept under ``name`` while ``source`` stays (building and validating a
+        spec is a sizeable part of a plan's host time)."""
+        held = self._derived.get(name)
+        if held is None or not _same_spec(held[0], source):
+            held = self._derived[name] = (source, derive(source))
+        return held[1]
+
     def _packed_dense_spec(self) -> KernelSpec:
-        """The dense program with a warp per K/V head, kept while the dense program stays (building
-        and validating a spec is a sizeable part of a plan's host time)."""
-        if self._packed_dense is None or not _same_spec(self._packed_dense[0], self.dense_spec):
-            self._packed_dense = (self.dense_spec, self.dense_spec.replace(warp_heads=True))
-        return self._packed_dense[1]
+        """The dense program with a warp per K/V head."""
+        return self._kept("packed dense", self.dense_spec, lambda spec: spec.replace(warp_heads=True))
 
     def _units_spec(self) -> KernelSpec:
-        """The units program of the split program's CTA shape (`KernelSpec.as_units`), kept while the
-        split program stays; the split program itself is not loaded for it."""
-        if self._units is None or not _same_spec(self._units[0], self.split_spec):
-            self._units = (self.split_spec, self.split_spec.as_units())
-        return self._units[1]
+        """The units program of the split program's CTA shape (`KernelSpec.as_units`); the split
+        program itself is not loaded for it."""
+        return self._kept("units", self.split_spec, KernelSpec.as_units)
 
     def _load(self, spec) -> tuple:
         """`load_kernel(spec)` on this instance's GPU, whichever is current: (function, compile

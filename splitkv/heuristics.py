@@ -7,6 +7,7 @@ the planner needs, computed from the compiled kernel's registers and shared memo
 
 from __future__ import annotations
 
+from .plan import FEW_SPLITS_MAX_BYTES
 from .spec import (ARCHS, QUANTIZED_KV_DTYPES, TMA_SWIZZLE_ROWS, KernelSpec, SharedMemoryError, arch_number,
                    rows_fit_tma_boxes)
 
@@ -92,7 +93,7 @@ def takes_whole_row_clusters(spec: KernelSpec) -> bool:
     caches of pages shorter than a tile, fetched a page at a time (H200, 32/8 64k: pages of 16
     tokens 81.8 µs on 128 CTAs against 89.3 on 64, pages of 1 83.8 against 109.0; pages of 64, a
     tile or more: 77.1 on 64 CTAs against 79.1 on 128)."""
-    return spec.kv_dtype != "nvfp4" and not (spec.paged and spec.page_size < spec.tile_tokens)
+    return spec.kv_dtype != "nvfp4" and not _short_pages(spec)
 
 
 #: Bytes in flight (the CTAs' rings in shared memory together) at which a K/V stream saturates
@@ -101,19 +102,45 @@ def takes_whole_row_clusters(spec: KernelSpec) -> bool:
 #: split counts against the planner).
 SATURATING_BYTES_IN_FLIGHT = 6 << 20
 
+#: Pages shorter than a tile arrive a page at a time, so more bytes must be in flight. Copied a row
+#: per lane (pages under `TMA_SWIZZLE_ROWS` tokens): twice as many (H200, 3 x 8 rows of 4096 tokens
+#: in pages of 1: 4 splits, 96 CTAs, 27.7 µs; 2 splits 35.7; the wave model's 11 splits 32.4).
+#: Through a box per page: a third more, 64 CTAs at head_dim 128, whose splits of 8 rows merge in
+#: one cluster where twice the bytes would take 128 CTAs merged through global memory (H200, pages
+#: of 16 in a random order, 32/8: 1 x 8k 18.9 µs against 20.5, 1 x 16k 29.6 against 30.5,
+#: 4 x 4k 29.6 against 30.6; 3 x 4k keeps 96 CTAs in clusters of 4, 24.5 µs, where 48 took 25.7).
+SHORT_PAGE_IN_FLIGHT_FACTOR = {"cp_async": 2.0, "tma": 4 / 3}
+
+#: Longest split the short-row rule plans on boxed pages shorter than a tile; longer rows go to the
+#: wave model's 128 CTAs (H200, pages of 16: 1 x 24k's 64 CTAs of 1.5 MiB 39.4 µs against 40.0 on
+#: 128, but 2 x 16k's 64 of 2 MiB 48.2 against 47.9, and 1 x 64k's 64 of 4 MiB 78.3 against 77.7).
+SHORT_PAGE_FEW_SPLITS_MAX_BYTES = 3 << 19
+
+
+def _short_pages(spec: KernelSpec) -> bool:
+    return spec.paged and spec.page_size < spec.tile_tokens
+
 
 def saturating_ctas(spec: KernelSpec) -> int | None:
-    """CTAs of ``spec`` whose rings together hold `SATURATING_BYTES_IN_FLIGHT`, for the planner's
-    short-row rule (`plan.plan_splits`). Pages shorter than a tile arrive a page at a time, so
-    twice as many bytes must be in flight (H200, 3 x 8 rows of 4096 tokens in pages of 1: 4 splits,
-    96 CTAs, 27.7 µs; 2 splits 35.7; the wave model's 11 splits 32.4). None for NVFP4, whose decode
-    is bound by instruction issue (see `takes_whole_row_clusters`): every CTA an SM holds counts."""
+    """CTAs of ``spec`` whose rings together hold `SATURATING_BYTES_IN_FLIGHT` (times
+    `SHORT_PAGE_IN_FLIGHT_FACTOR` on pages shorter than a tile), for the planner's short-row rule
+    (`plan.plan_splits`). None for NVFP4, whose decode is bound by instruction issue (see
+    `takes_whole_row_clusters`): every CTA an SM holds counts."""
     if spec.kv_dtype == "nvfp4":
         return None
     in_flight = SATURATING_BYTES_IN_FLIGHT
-    if spec.paged and spec.page_size < spec.tile_tokens:
-        in_flight *= 2
+    if _short_pages(spec):
+        in_flight = int(in_flight * SHORT_PAGE_IN_FLIGHT_FACTOR[spec.kv_copy])
     return -(-in_flight // spec.smem_bytes)
+
+
+def few_splits_max_bytes(spec: KernelSpec) -> int:
+    """Longest split, in K/V bytes, the short-row rule plans for ``spec`` (`plan.plan_splits`'s
+    ``max_split_bytes``): `SHORT_PAGE_FEW_SPLITS_MAX_BYTES` on boxed pages shorter than a tile,
+    else `plan.FEW_SPLITS_MAX_BYTES`."""
+    if _short_pages(spec) and spec.kv_copy == "tma":
+        return SHORT_PAGE_FEW_SPLITS_MAX_BYTES
+    return FEW_SPLITS_MAX_BYTES
 
 
 def resident_ctas_per_sm(spec: KernelSpec, registers: int | None) -> int:

@@ -7,7 +7,7 @@ A work unit is one (sequence, K/V head), a row. When the rows alone fill a wave 
 CTAs, or give nearly every SM one CTA (`DENSE_SM_SHARE`), or no sequence is longer than one chunk,
 the dense program runs.
 
-Short rows (splits of at most `FEW_SPLITS_MAX_BYTES`), given the CTAs that saturate the memory
+Short rows (splits of at most `FEW_SPLITS_MAX_BYTES`, or the caller's bound), given the CTAs that saturate the memory
 system (``saturating_ctas``, see `saturating_ctas` in heuristics) and where some split count
 reaches it within the grid's limits: the fewest splits whose streaming CTAs reach that count (a
 power of two where one fits on the SMs, so that a row's splits can merge in one cluster), dense
@@ -141,10 +141,11 @@ class SplitPlan:
 
 
 def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max_splits=None,
-                saturating_ctas=None, kv_bytes_per_token=None):
+                saturating_ctas=None, kv_bytes_per_token=None, max_split_bytes=None):
     """Plan one decode call for sequences of ``seq_lens`` tokens (see the module notes).
-    ``saturating_ctas`` and ``kv_bytes_per_token`` (both or neither) enable the short-row rule;
-    without them, the wave model plans every batch."""
+    ``saturating_ctas`` and ``kv_bytes_per_token`` (both or neither) enable the short-row rule, for
+    splits of at most ``max_split_bytes`` of K/V (default `FEW_SPLITS_MAX_BYTES`); without them,
+    the wave model plans every batch."""
     lens = _check_lens(seq_lens)
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
     chunk_size = _positive_int("chunk_size", chunk_size)
@@ -157,12 +158,14 @@ def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max
     if saturating_ctas is not None:
         saturating_ctas = _positive_int("saturating_ctas", saturating_ctas)
         kv_bytes_per_token = _positive_int("kv_bytes_per_token", kv_bytes_per_token)
+    max_split_bytes = FEW_SPLITS_MAX_BYTES if max_split_bytes is None else _positive_int("max_split_bytes",
+                                                                                         max_split_bytes)
     return plan_splits_unchecked(lens, int(lens.max()), num_kv_heads, chunk_size, num_sms, ctas_per_sm, max_splits,
-                                 saturating_ctas, kv_bytes_per_token)
+                                 saturating_ctas, kv_bytes_per_token, max_split_bytes)
 
 
 def plan_splits_unchecked(lens, max_len, num_kv_heads, chunk_size, num_sms, ctas_per_sm, max_splits=None,
-                          saturating_ctas=None, kv_bytes_per_token=None):
+                          saturating_ctas=None, kv_bytes_per_token=None, max_split_bytes=FEW_SPLITS_MAX_BYTES):
     """`plan_splits` of arguments the caller has checked, as the runtime holds them: ``lens`` an
     int64 array (at least one length, none negative), ``max_len`` its longest, the rest positive
     ints (or None). Checking them again, and finding the longest again, costs a plan µs each time."""
@@ -178,7 +181,7 @@ def plan_splits_unchecked(lens, max_len, num_kv_heads, chunk_size, num_sms, ctas
     if saturating_ctas is not None:
         tokens_per_split = _fewest_saturating_split(lens, max_len, num_kv_heads, chunk_size, num_sms, saturating_ctas,
                                                     limit)
-        if tokens_per_split is not None and tokens_per_split * kv_bytes_per_token <= FEW_SPLITS_MAX_BYTES:
+        if tokens_per_split is not None and tokens_per_split * kv_bytes_per_token <= max_split_bytes:
             return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)
     tokens_per_split = _choose_tokens_per_split(max_len, units, slots, chunk_size, limit)
     return _split_or_dense(lens, num_kv_heads, chunk_size, tokens_per_split)

@@ -24,7 +24,8 @@ import numpy as np
 from . import paged, streams, tensors
 from .autotune import lookup
 from .autotune.keys import TuneKey
-from .heuristics import default_spec, resident_ctas_per_sm, saturating_ctas, takes_whole_row_clusters
+from .heuristics import (default_spec, few_splits_max_bytes, resident_ctas_per_sm, saturating_ctas,
+                         takes_whole_row_clusters)
 from .quantize import QuantizedKV
 from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_plan, pack_heads, plan_splits_unchecked,
                    span_plan, wants_packed_heads, whole_row_ctas)
@@ -91,6 +92,7 @@ class _SplitProgram:
     spec: KernelSpec
     ctas_per_sm: int  # resident CTAs per SM (its registers bound them)
     saturating: int | None  # `heuristics.saturating_ctas`
+    few_splits_max_bytes: int  # `heuristics.few_splits_max_bytes`
     clustered: dict = dataclasses.field(default_factory=dict)  # cluster size -> the program in such clusters
     cluster_fit: dict = dataclasses.field(default_factory=dict)  # cluster size -> clusters resident at once
 
@@ -300,7 +302,7 @@ class DecodeAttention:
             else:
                 wave = plan_splits_unchecked(planned, max_planned, self.num_kv_heads, self.split_spec.chunk_size,
                                              self.num_sms, ctas_per_sm)
-                plan = self._short_row_plan(wave, planned, max_planned, ctas_per_sm, program.saturating)
+                plan = self._short_row_plan(wave, planned, max_planned, program)
             # The units' cost model counts tokens per CTA on every resident CTA, as the wave model
             # does: the routing judges the wave model's plan in those terms, and the short-row
             # rule's where it differs (fewer, longer splits may leave a long row to few CTAs among
@@ -378,21 +380,22 @@ class DecodeAttention:
         self._validated_layout = None
         return plan
 
-    def _short_row_plan(self, wave: SplitPlan, planned, max_planned: int, ctas_per_sm: int,
-                        saturating: int | None) -> SplitPlan:
-        """The short-row rule's plan of these lengths (`plan_splits` with ``saturating`` CTAs), or
+    def _short_row_plan(self, wave: SplitPlan, planned, max_planned: int, program: _SplitProgram) -> SplitPlan:
+        """The short-row rule's plan of these lengths (`plan_splits` with ``program``'s saturating CTAs), or
         the wave model's ``wave`` where the rule does not apply: no saturating count (NVFP4), a
         tuned program measured without the rule (its entry's `planner`: a tuned program launches
         what the tuner measured), or rows that run dense under either rule."""
         measured_by_waves = self.tuned_entry is not None and self.tuned_entry.planner == "waves" \
             and self.tuned_entry.spec == self.split_spec
+        saturating, ctas_per_sm = program.saturating, program.ctas_per_sm
         if saturating is None or measured_by_waves or dense_regardless(
                 planned.size * self.num_kv_heads, max_planned,
                 chunk_size=self.split_spec.chunk_size, num_sms=self.num_sms, ctas_per_sm=ctas_per_sm):
             return wave
         return plan_splits_unchecked(planned, max_planned, self.num_kv_heads, self.split_spec.chunk_size,
                                      self.num_sms, ctas_per_sm, saturating_ctas=saturating,
-                                     kv_bytes_per_token=self.split_spec.kv_bytes_per_token)
+                                     kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
+                                     max_split_bytes=program.few_splits_max_bytes)
 
     def _split_program(self) -> _SplitProgram:
         """The split program's resident CTAs per SM, saturating CTAs and derived programs
@@ -402,7 +405,7 @@ class DecodeAttention:
             spec = self.split_spec
             _, compiled = self._load(spec)
             held = self._split = _SplitProgram(spec, resident_ctas_per_sm(spec, compiled.registers),
-                                               saturating_ctas(spec))
+                                               saturating_ctas(spec), few_splits_max_bytes(spec))
         return held
 
     def _kept(self, name: str, source: KernelSpec, derive) -> KernelSpec:

@@ -27,7 +27,8 @@ def problems(draw):
         max_splits=draw(st.one_of(st.none(), st.integers(1, 128))),
         **draw(st.one_of(st.just({}), st.fixed_dictionaries(
             # the short-row rule: CTAs that saturate the memory system, bytes per token
-            dict(saturating_ctas=st.integers(1, 300), kv_bytes_per_token=st.sampled_from([72, 128, 256, 512, 1024]))))),
+            dict(saturating_ctas=st.integers(1, 300), kv_bytes_per_token=st.sampled_from([72, 128, 256, 512, 1024]),
+                 max_split_bytes=st.one_of(st.none(), st.sampled_from([1 << 20, 3 << 19, 4 << 20])))))),
     )
 
 
@@ -161,6 +162,20 @@ def test_long_splits_go_to_the_wave_model():
     assert FEW_SPLITS_MAX_BYTES == 8192 * 512
     # Rows that saturate alone but are long: the wave model too.
     assert short_rows([16384] * 6, 8, 47) == plan_splits([16384] * 6, 8, chunk_size=128, num_sms=132, ctas_per_sm=2)
+
+
+def test_the_caller_bounds_the_short_row_rules_splits():
+    # 1 x 8 rows of 24k tokens, 63 saturating CTAs: 8 splits of 3072 tokens (1.5 MiB at 512 bytes a
+    # token) pass a 1.5 MiB bound; 32k tokens' 4096 (2 MiB) do not, and the wave model plans them.
+    bounded = dict(chunk_size=128, num_sms=132, ctas_per_sm=1, saturating_ctas=63, kv_bytes_per_token=512,
+                   max_split_bytes=3 << 19)
+    assert plan_splits([24576], 8, **bounded).num_splits == 8
+    wave = plan_splits([32768], 8, chunk_size=128, num_sms=132, ctas_per_sm=1)
+    assert plan_splits([32768], 8, **bounded) == wave and wave.num_splits == 16
+    del bounded["max_split_bytes"]  # FEW_SPLITS_MAX_BYTES by default
+    assert plan_splits([32768], 8, **bounded).num_splits == 8
+    with pytest.raises(ValueError, match="max_split_bytes"):
+        plan_splits([4096], 8, **bounded, max_split_bytes=0)
 
 
 def test_ragged_short_rows_count_the_ctas_they_launch():

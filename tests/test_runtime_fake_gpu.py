@@ -512,6 +512,20 @@ def test_the_short_row_rules_plan_is_judged_by_the_routing_too(fake_gpu):
     assert not isinstance(plan, UnitPlan) and plan.num_splits == 2, attn.plan_info
 
 
+def test_pages_of_16_take_64_ctas_for_short_splits_and_128_for_long_ones(fake_gpu):
+    """Boxed pages shorter than a tile: the short-row rule's third more bytes in flight plan one
+    16k row on 8 splits of 2048 tokens (64 CTAs) where the cache were contiguous it would be the
+    same; a 64k row's 8 splits would stream 4 MiB each, past the pages' bound, so the wave model
+    cuts it 16 ways (128 CTAs). Pages of 1 keep twice the bytes: 16 splits at 16k."""
+    from splitkv import DecodeAttention
+
+    for page, length, splits in ((16, 16384, 8), (16, 65536, 16), (1, 16384, 16)):
+        attn = DecodeAttention(32, 8, 128, page_size=page, tuned=False)
+        per = length // page
+        plan = attn.plan([length], block_table=np.arange(per, dtype=np.int32).reshape(1, per))
+        assert plan.variant == "split" and plan.num_splits == splits, (page, length, attn.plan_info)
+
+
 def test_lengths_that_may_grow_after_plan_are_never_left_to_units(fake_gpu):
     """A units plan covers the lengths it was planned for: with device lengths that may grow up to
     max_len (graph replays), the default planner keeps to the split planner, whose grid covers

@@ -263,8 +263,26 @@ def test_saturating_ctas_count_the_bytes_in_flight():
     d128, d64 = default_spec("sm_90", 128, 4), default_spec("sm_90", 64, 4)
     assert saturating_ctas(d128) == -(-SATURATING_BYTES_IN_FLIGHT // d128.smem_bytes) == 47
     assert saturating_ctas(d64) > 1.9 * saturating_ctas(d128)  # half the ring: about twice the CTAs
-    # Pages shorter than a tile: twice the bytes; pages of a tile and more: as contiguous caches.
+    # Pages shorter than a tile: twice the bytes copied a row per lane, a third more through a box
+    # per page (64 CTAs at head_dim 128: 8 rows of 8 splits, one cluster each); pages of a tile and
+    # more: as contiguous caches.
     paged1 = default_spec("sm_90", 128, 4, page_size=1)
+    assert paged1.kv_copy == "cp_async"
     assert saturating_ctas(paged1) == -(-2 * SATURATING_BYTES_IN_FLIGHT // paged1.smem_bytes)
+    paged16 = default_spec("sm_90", 128, 4, page_size=16)
+    assert paged16.kv_copy == "tma" and paged16.page_size < paged16.tile_tokens
+    assert saturating_ctas(paged16) == -(-SATURATING_BYTES_IN_FLIGHT * 4 // 3 // paged16.smem_bytes) == 63
     assert saturating_ctas(default_spec("sm_90", 128, 4, page_size=64)) == 47
     assert saturating_ctas(default_spec("sm_90", 128, 4, kv_dtype="nvfp4")) is None
+
+
+def test_the_short_row_rule_takes_shorter_splits_on_boxed_short_pages():
+    from splitkv.heuristics import SHORT_PAGE_FEW_SPLITS_MAX_BYTES, few_splits_max_bytes
+    from splitkv.plan import FEW_SPLITS_MAX_BYTES
+
+    assert SHORT_PAGE_FEW_SPLITS_MAX_BYTES < FEW_SPLITS_MAX_BYTES
+    assert few_splits_max_bytes(default_spec("sm_90", 128, 4, page_size=16)) == SHORT_PAGE_FEW_SPLITS_MAX_BYTES
+    assert few_splits_max_bytes(default_spec("sm_90", 128, 4, page_size=8)) == SHORT_PAGE_FEW_SPLITS_MAX_BYTES
+    for spec in (default_spec("sm_90", 128, 4), default_spec("sm_90", 128, 4, page_size=1),
+                 default_spec("sm_90", 128, 4, page_size=64), default_spec("sm_80", 128, 4, page_size=16)):
+        assert few_splits_max_bytes(spec) == FEW_SPLITS_MAX_BYTES, spec.name

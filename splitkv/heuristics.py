@@ -24,8 +24,10 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     On sm_90 and newer, K/V tiles arrive through tensor maps (``kv_copy="tma"``) wherever a row is a
     whole number of 128-byte boxes: a stream of 128 CTAs then reads as fast as a plain read kernel
     (H200, 64k: 72.1 µs vs 71.4 for the read floor, 75.4 with per-lane cp.async), and the decode is
-    4-8% faster from 16k up, 1-6% at 1k-4k (H200, 13ca46a; BENCHMARKS.md). Elsewhere (sm_80,
-    head_dim 96) every lane copies 16-byte pieces with cp.async.
+    4-8% faster from 16k up, 1-6% at 1k-4k (H200, 13ca46a; BENCHMARKS.md). NVFP4's rows of 32-128
+    bytes arrive a box each, their block scales by per-lane cp.async beside them (H200, 32/8, the
+    same CTA shape: 64k 47.0 -> 45.0 µs, 16 x 4k 43.2 -> 38.3). Elsewhere (sm_80, head_dim 96, FP8
+    at head_dim 64) every lane copies 16-byte pieces with cp.async.
 
     Split: 32-token tiles two stages deep, so one split gets a whole number of 128-token chunks
     (one tile per warp), fine enough for the planner to cut short sequences into many splits.

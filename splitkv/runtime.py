@@ -681,14 +681,15 @@ class DecodeAttention:
             # The maps' rows: a contiguous cache's tokens ([batch x cache_len][num_kv_heads x head_dim]),
             # a paged one's ([num_pages x page_size][num_kv_heads x head_dim], HND: [num_pages x
             # num_kv_heads x page_size][head_dim]).
-            rows, cols = launch.batch * cache_len, self.num_kv_heads * self.head_dim
+            row_elems = spec.kv_row_bytes // spec.kv_elem_bytes  # a head's row (NVFP4: in bytes)
+            rows, cols = launch.batch * cache_len, self.num_kv_heads * row_elems
             if table:
                 rows = num_pages * self.page_size * (self.num_kv_heads if self.kv_layout == "HND" else 1)
-                cols = self.head_dim if self.kv_layout == "HND" else cols
+                cols = row_elems if self.kv_layout == "HND" else cols
             bases = (int(k_ptr), int(v_ptr))
             if rows == 0:  # an empty cache (every length is 0): maps of the plan's stand-in tile
                 rows, bases = spec.tile_tokens, (launch.empty_kv_ptr,) * 2
-            view = (rows, cols, spec.kv_elem_bytes, spec.tma_box_rows)
+            view = (rows, cols, spec.kv_elem_bytes, spec.tma_box_rows, spec.tma_box_bytes)
             (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(base, *view) for base in bases)
             maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
         launch.decode_fn(

@@ -66,10 +66,22 @@ PAGE_SIZES = tuple(1 << i for i in range(9))
 KV_LAYOUTS = ("NHD", "HND")
 
 
+def tma_box_bytes(head_dim: int, kv_dtype: str) -> int | None:
+    """Bytes of a tensor-map box row for K/V rows of ``head_dim`` elements: `TMA_BOX_BYTES` (the
+    widest swizzle span) where a row is a whole number of them; NVFP4's rows of 32 or 64 bytes
+    (head_dim 64, 128) as one box each, swizzled over that span. None where no box fits (head_dim 96;
+    FP8 at head_dim 64 keeps per-lane copies: its 64-byte rows through boxes are not measured)."""
+    row = head_dim * KV_DTYPE_BITS[kv_dtype] // 8
+    if row % TMA_BOX_BYTES == 0:
+        return TMA_BOX_BYTES
+    if kv_dtype == "nvfp4" and row in (32, 64):
+        return row
+    return None
+
+
 def rows_fit_tma_boxes(head_dim: int, kv_dtype: str) -> bool:
-    """Whether a K/V row of ``head_dim`` elements is a whole number of tensor-map boxes (never for
-    NVFP4, whose block scales are rows of 4-16 bytes that neither tensor maps nor bulk copies move)."""
-    return kv_dtype != "nvfp4" and head_dim * KV_DTYPE_BITS[kv_dtype] % (8 * TMA_BOX_BYTES) == 0
+    """Whether K/V rows of ``head_dim`` elements arrive through tensor-map boxes (`tma_box_bytes`)."""
+    return tma_box_bytes(head_dim, kv_dtype) is not None
 
 
 def hardware_e2m1(arch: str) -> bool:
@@ -228,8 +240,12 @@ class KernelSpec:
         if self.kv_dtype in QUANTIZED_KV_DTYPES and arch_number(self.arch) < 89:
             raise ValueError(f"kv_dtype: {self.kv_dtype} K/V are converted with cvt.f16x2.e4m3x2, which needs sm_89 "
                              f"or newer; got arch {self.arch}")
-        if self.kv_dtype == "nvfp4" and self.kv_copy != "cp_async":
-            raise ValueError("kv_copy: NVFP4 block scales arrive through cp.async; use kv_copy='cp_async'")
+        if self.kv_dtype == "nvfp4" and self.kv_copy == "bulk":
+            raise ValueError("kv_copy: NVFP4 block scales arrive through cp.async beside tensor-map boxes "
+                             "or per-lane copies; use kv_copy='tma' or 'cp_async'")
+        if self.kv_dtype == "nvfp4" and self.kv_copy == "tma" and self.steal_tiles:
+            raise ValueError("steal_tiles: NVFP4 through tensor maps completes a stage with every lane's "
+                             "block-scale copies, which a stage left empty does not make; use kv_copy='cp_async'")
         if self.kv_dtype == "nvfp4" and self.head_dim % 64:
             raise ValueError(f"head_dim: NVFP4 programs copy each row's block scales as one 4-16 byte piece, "
                              f"so head_dim must be a multiple of 64; got {self.head_dim}")
@@ -237,8 +253,9 @@ class KernelSpec:
             raise ValueError(f"tile_tokens: a tile of {self.tile_tokens} rows of {self.kv_row_bytes} bytes is not "
                              f"a whole number of 16-byte copies per lane; use a longer tile")
         if self.kv_copy == "tma" and not rows_fit_tma_boxes(self.head_dim, self.kv_dtype):
-            raise ValueError(f"kv_copy: 'tma' copies K/V rows in boxes of {TMA_BOX_BYTES} bytes; head_dim "
-                             f"{self.head_dim} of {self.kv_dtype} is not a whole number of them")
+            raise ValueError(f"kv_copy: 'tma' copies K/V rows in boxes of {TMA_BOX_BYTES} bytes (NVFP4: also "
+                             f"rows of 32 or 64 bytes, one box each); head_dim {self.head_dim} of {self.kv_dtype} "
+                             f"fits neither")
         _check_choice("mma_m", self.mma_m, MMA_M)
         if self.mma_m == "tokens" and self.group_size > 8:
             raise ValueError(f"mma_m: 'tokens' puts the query heads on the MMA's 8 columns; "
@@ -312,10 +329,17 @@ class KernelSpec:
 
     @property
     def kv_elem_bytes(self) -> int:
-        """Bytes of the elements a tensor map describes K/V in (8- and 16-bit formats only)."""
-        if self.kv_bits < 8:
-            raise ValueError(f"kv_elem_bytes: {self.kv_dtype} packs two elements per byte")
-        return self.kv_bits // 8
+        """Bytes of the elements a tensor map describes K/V in: an element of 8- and 16-bit formats,
+        a byte (two values) of NVFP4."""
+        return max(self.kv_bits // 8, 1)
+
+    @property
+    def tma_box_bytes(self) -> int:
+        """kv_copy='tma': bytes of a box row, the span of its swizzle (see `tma_box_bytes`)."""
+        box = tma_box_bytes(self.head_dim, self.kv_dtype)
+        if box is None:
+            raise ValueError(f"tma_box_bytes: head_dim {self.head_dim} of {self.kv_dtype} fits no tensor-map box")
+        return box
 
     @property
     def kv_row_bytes(self) -> int:
@@ -350,8 +374,13 @@ class KernelSpec:
 
     @property
     def tile_bytes(self) -> int:
-        """Shared memory of one K (or V) tile: padded rows of values, then (NVFP4) block-scale rows."""
-        return self.tile_tokens * (self.kv_row_bytes + self.smem_pad + self.kv_scale_row_bytes)
+        """Shared memory of one K (or V) tile: padded rows of values, then (NVFP4) block-scale rows;
+        with tensor maps, rounded up to the swizzle's period (8 box rows), on which every box starts."""
+        tile = self.tile_tokens * (self.kv_row_bytes + self.smem_pad + self.kv_scale_row_bytes)
+        if self.kv_copy == "tma":
+            period = TMA_SWIZZLE_ROWS * self.tma_box_bytes
+            tile = -(-tile // period) * period
+        return tile
 
     @property
     def inbox_offset(self) -> int:

@@ -2,8 +2,9 @@
 
 A tensor map (the driver's ``CUtensorMap``) describes a 2-D view of a K or V cache to the copy
 engine: here ``[batch x max_len][num_kv_heads x head_dim]`` elements, rows ``num_kv_heads x
-head_dim`` elements apart, fetched as boxes of 128 bytes x ``tile_tokens`` rows with the 128-byte
-swizzle the program's ``kv_at`` undoes. The map holds the cache's address, so it is encoded on
+head_dim`` elements apart (NVFP4: bytes), fetched as boxes of 128 bytes (NVFP4's rows of 32 or 64
+bytes: one box each) x ``tile_tokens`` rows with the swizzle of that span, which the program's
+``kv_at`` undoes. The map holds the cache's address, so it is encoded on
 the host for each cache a program reads (``cuTensorMapEncodeTiled``, a pure host call: no
 synchronisation, no device memory) and passed to the kernel by value; `TensorMapCache` keeps the
 last few, so a decode loop over the same cache encodes once.
@@ -25,7 +26,8 @@ MAP_ALIGN = 64
 # Enumerators of cuda.h that the encode call takes.
 _DTYPE_UINT8, _DTYPE_UINT16 = 0, 1
 _INTERLEAVE_NONE = 0
-_SWIZZLE_128B = 3
+#: The swizzle of a box row of 32, 64 or 128 bytes: its 16-byte pieces XOR-permuted over 8 rows.
+_SWIZZLE_OF_BOX_BYTES = {32: 1, 64: 2, 128: 3}
 _L2_PROMOTION_NONE = 0  # 256-byte promotion measured 6% slower at 128k (H200), none and 128 B equal
 _OOB_FILL_ZEROS = 0
 #: Encoded maps kept (two per cache: K and V). A model runs one DecodeAttention over every layer's
@@ -68,11 +70,14 @@ def _aligned_buffer() -> np.ndarray:
     return raw[start:start + MAP_BYTES]
 
 
-def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int) -> dict:
+def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES) -> dict:
     """The encode call's arguments for a row-major [rows][cols] matrix read in boxes of
-    128 bytes x ``box_rows`` rows (checked here, so a bad shape fails with a clear message)."""
+    ``box_bytes`` (32, 64 or 128, swizzled over that span) x ``box_rows`` rows (checked here, so a
+    bad shape fails with a clear message)."""
     if elem_bytes not in (1, 2):
         raise ValueError(f"tensor map: elements of {elem_bytes} bytes are not supported (1 or 2)")
+    if box_bytes not in _SWIZZLE_OF_BOX_BYTES:
+        raise ValueError(f"tensor map: box rows of {box_bytes} bytes; the swizzles span 32, 64 or 128")
     row_bytes = cols * elem_bytes
     if row_bytes % 16:
         raise ValueError(f"tensor map: rows of {row_bytes} bytes; the copy engine needs a multiple of 16")
@@ -82,12 +87,12 @@ def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int) -> dict:
         raise ValueError(f"tensor map: a [{rows}][{cols}] view is outside the copy engine's coordinates")
     return {"dtype": _DTYPE_UINT8 if elem_bytes == 1 else _DTYPE_UINT16,
             "dims": (cols, rows), "row_stride": row_bytes,
-            "box": (TMA_BOX_BYTES // elem_bytes, box_rows)}
+            "box": (box_bytes // elem_bytes, box_rows), "swizzle": _SWIZZLE_OF_BOX_BYTES[box_bytes]}
 
 
-def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int) -> np.ndarray:
+def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES) -> np.ndarray:
     """The tensor map of the device matrix at ``ptr`` (see `box_geometry`), as 128 host bytes."""
-    geo = box_geometry(rows, cols, elem_bytes, box_rows)
+    geo = box_geometry(rows, cols, elem_bytes, box_rows, box_bytes)
     if ptr % 16:
         raise ValueError(f"tensor map: the cache's address {ptr:#x} is not 16-byte aligned")
     out = _aligned_buffer()
@@ -96,7 +101,7 @@ def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int) -> np
     box = (ctypes.c_uint32 * 2)(*geo["box"])
     steps = (ctypes.c_uint32 * 2)(1, 1)
     status = _encode_function()(out.ctypes.data, geo["dtype"], 2, ctypes.c_void_p(ptr), dims, strides, box, steps,
-                                _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_NONE, _OOB_FILL_ZEROS)
+                                _INTERLEAVE_NONE, geo["swizzle"], _L2_PROMOTION_NONE, _OOB_FILL_ZEROS)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a [{rows}][{cols}] "
                            f"view of {elem_bytes}-byte elements at {ptr:#x}, boxes of {geo['box']}")
@@ -114,19 +119,19 @@ class TensorMapCache:
         self._maps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def argument(self, ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int):
+    def argument(self, ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES):
         """(launch argument, host buffer): the argument passes the map by value (CuPy copies the 128
         bytes it points at when the kernel is launched or captured); it does not own them, so the
         caller keeps the buffer until the launch has been made."""
         from cupy.cuda.function import CPointer
 
-        key = (ptr, rows, cols, elem_bytes, box_rows)
+        key = (ptr, rows, cols, elem_bytes, box_rows, box_bytes)
         with self._lock:
             held = self._maps.get(key)
             if held is not None:
                 self._maps.move_to_end(key)
                 return held
-        buffer = encode(ptr, rows, cols, elem_bytes, box_rows)
+        buffer = encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes)
         held = (CPointer(buffer.ctypes.data), buffer)
         with self._lock:
             self._maps[key] = held

@@ -89,8 +89,8 @@ def fake_gpu(monkeypatch, tmp_path):
             record.launches.append(types.SimpleNamespace(spec=spec, grid=grid, args=args, device=record.current))
         return launch, types.SimpleNamespace(registers=96)
 
-    def encode(ptr, rows, cols, elem_bytes, box_rows):
-        tensor_map.box_geometry(rows, cols, elem_bytes, box_rows)  # the real checks of the view
+    def encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes):
+        tensor_map.box_geometry(rows, cols, elem_bytes, box_rows, box_bytes)  # the real checks of the view
         record.maps.append((ptr, rows, cols))
         return tensor_map._aligned_buffer()
 
@@ -581,6 +581,26 @@ def test_an_hnd_quantized_cache_takes_a_scale_per_kv_head(fake_gpu):
     assert int(runtime._quantized_args(k, k)[1]) == 1  # one scale per K/V head
     with pytest.raises(ValueError, match="k.scale"):
         attn.run(q, cache(page), cache(page))
+
+
+def test_nvfp4_tensor_maps_view_the_values_as_bytes(fake_gpu):
+    """NVFP4 values pack two per byte: the maps' rows are a token's heads of 64 bytes (head_dim 128),
+    in byte elements, read in one 64-byte box per row."""
+    from splitkv import DecodeAttention
+    from splitkv.quantize import QuantizedKV
+
+    hkv, d, length = 8, 128, 300
+    attn = DecodeAttention(32, hkv, d, kv_dtype="nvfp4", tuned=False)
+    attn.plan([length, length])
+    assert attn._launch.spec.kv_copy == "tma" and attn._launch.spec.tma_box_bytes == 64
+
+    def cache():
+        return QuantizedKV("nvfp4", _DeviceArray((2, length, hkv, d // 2), "|u1"),
+                           _DeviceArray((2, length, hkv, d // 16), "|u1"), _DeviceArray((1,), "<f4"))
+    k, v = cache(), cache()
+    attn.run(_DeviceArray((2, 32, d), "<u2"), k, v)
+    assert fake_gpu.maps == [(k.values.__cuda_array_interface__["data"][0], 2 * length, hkv * d // 2),
+                             (v.values.__cuda_array_interface__["data"][0], 2 * length, hkv * d // 2)]
 
 
 def test_a_device_table_may_leave_pages_the_lengths_do_not_use_yet(fake_gpu):

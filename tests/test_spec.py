@@ -113,11 +113,33 @@ def test_tensor_copies_need_sm90_and_whole_boxes():
         KernelSpec(arch="sm_80", kv_copy="tma")
     with pytest.raises(ValueError, match="boxes of 128 bytes"):
         KernelSpec(arch="sm_90", kv_copy="tma", head_dim=96)
+    with pytest.raises(ValueError, match="boxes of 128 bytes"):  # FP8's 64-byte rows: no box
+        KernelSpec(arch="sm_90", kv_copy="tma", head_dim=64, kv_dtype="fp8_e4m3", tile_tokens=64, chunk_size=256)
     with pytest.raises(ValueError, match="cp_async"):  # span_rows copies with cp.async only
         spec.replace(span_rows=True, cluster=1)
     assert spec.replace(steal_tiles=1).steal_tiles == 1  # stealing works with tensor maps
     # The unpadded rings are smaller; the 1024-byte alignment of the rings counts as static memory.
     assert spec.smem_bytes < KernelSpec(arch="sm_90").smem_bytes
+
+
+def test_nvfp4_rows_arrive_through_one_box_each_beside_per_lane_block_scales():
+    from splitkv.spec import tma_box_bytes
+
+    # Rows of 32, 64 and 128 bytes (head_dim 64, 128, 256): one box each, swizzled over its span.
+    assert [tma_box_bytes(d, "nvfp4") for d in (64, 128, 256, 96)] == [32, 64, 128, None]
+    # Other formats keep boxes of 128 bytes: FP8 at head_dim 64 (64-byte rows) is not boxed.
+    assert tma_box_bytes(64, "fp8_e4m3") is None and tma_box_bytes(128, "fp8_e4m3") == 128
+    base = dict(arch="sm_90", kv_dtype="nvfp4", warps=8, chunk_size=256)
+    spec = KernelSpec(**base, kv_copy="tma")
+    assert spec.name.endswith("-tma") and spec.tma_box_bytes == 64
+    assert default_spec("sm_90", 128, 4, kv_dtype="nvfp4").kv_copy == "tma"
+    assert default_spec("sm_90", 128, 4, kv_dtype="nvfp4", page_size=4).kv_copy == "cp_async"
+    with pytest.raises(ValueError, match="use kv_copy='tma' or 'cp_async'"):
+        KernelSpec(**base, kv_copy="bulk")
+    # A stage completes on every lane's block-scale copies, which an empty stolen stage lacks.
+    with pytest.raises(ValueError, match="steal_tiles"):
+        KernelSpec(**base, kv_copy="tma", steal_tiles=1)
+    assert KernelSpec(**base, kv_copy="cp_async", steal_tiles=1).steal_tiles == 1
     assert spec.static_smem_bytes >= 1024
 
 

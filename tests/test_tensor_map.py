@@ -16,7 +16,25 @@ def test_geometry_of_a_bf16_cache():
     # The program takes its box width from the same constant: boxes of 128 bytes, 64 bf16 dims.
     source = render(KernelSpec(arch="sm_90", kv_copy="tma"))
     assert f"constexpr int BOX_BYTES = {TMA_BOX_BYTES};" in source
-    assert "constexpr int BOX_DIMS = BOX_BYTES * 8 / KV_BITS;" in source and "constexpr int KV_BITS = 16;" in source
+    assert "constexpr int BOX_ELEMS = BOX_BYTES / MAP_ELEM_BYTES;" in source and "constexpr int KV_BITS = 16;" in source
+    assert geo["swizzle"] == 3  # the 128-byte swizzle
+
+
+def test_geometry_of_an_nvfp4_cache():
+    # NVFP4 rows of 128 dims are 64 bytes, one box each with the 64-byte swizzle; head_dim 64's rows
+    # of 32 bytes take the 32-byte swizzle. The map's elements are bytes (two values each).
+    geo = box_geometry(3 * 1000, 8 * 64, 1, 32, 64)
+    assert geo["dims"] == (512, 3000) and geo["row_stride"] == 512 and geo["box"] == (64, 32) and geo["swizzle"] == 2
+    assert box_geometry(3000, 8 * 32, 1, 32, 32)["swizzle"] == 1
+    spec = KernelSpec(arch="sm_90", kv_dtype="nvfp4", kv_copy="tma", warps=8, chunk_size=256)
+    assert spec.tma_box_bytes == 64 and spec.kv_elem_bytes == 1
+    # Tiles start on the 64-byte swizzle's period (8 rows, 512 bytes): 32 rows of 64 bytes and
+    # 32 rows of 8 block-scale bytes (2304 bytes) take 2560.
+    assert spec.tile_bytes == 2560
+    source = render(spec)
+    assert "constexpr int BOX_BYTES = 64;" in source and "constexpr int TILE_BYTES = 2560;" in source
+    with pytest.raises(ValueError, match="32, 64 or 128"):
+        box_geometry(3000, 8 * 64, 1, 32, 48)
 
 
 def test_geometry_of_an_fp8_cache():
@@ -49,7 +67,7 @@ def test_cache_encodes_each_cache_once_and_evicts_the_least_recently_used(monkey
 
     encoded = []
 
-    def fake_encode(ptr, rows, cols, elem_bytes, box_rows):
+    def fake_encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes):
         encoded.append((ptr, box_rows))
         return tm._aligned_buffer()
 

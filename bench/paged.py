@@ -92,6 +92,7 @@ def flashinfer_paged(torch, heads, q, k_pages, v_pages, table, lens, page_size, 
 
 
 def main(argv=None) -> int:
+    import cupy
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -120,6 +121,10 @@ def main(argv=None) -> int:
         q, k, v, out = random_bf16_qkv(shape, args.seed)
         if shape.quantized:
             k, v = quantize_kv(k, shape.kv_dtype), quantize_kv(v, shape.kv_dtype)
+        # The inputs were made on CuPy's default stream; the benchmark stream (torch's, non-blocking)
+        # is not ordered after it, so a first call could read K/V still being written (at 64k the
+        # fill outlasts plan(): the contiguous output's first call then differed from later ones).
+        cupy.cuda.Device().synchronize()
         heads = (shape.num_qo_heads, shape.num_kv_heads, shape.head_dim)
         lens = [shape.seq_len] * shape.batch
         with harness.active():

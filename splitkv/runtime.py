@@ -689,8 +689,7 @@ class DecodeAttention:
             bases = (int(k_ptr), int(v_ptr))
             if rows == 0:  # an empty cache (every length is 0): maps of the plan's stand-in tile
                 rows, bases = spec.tile_tokens, (launch.empty_kv_ptr,) * 2
-            view = (rows, cols, spec.kv_elem_bytes, spec.tma_box_rows, spec.tma_box_bytes,
-                    spec.tma_box_columns if spec.page_boxes else 1)
+            view = (rows, cols, spec.kv_elem_bytes, spec.tma_box_rows, spec.tma_box_bytes)
             (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(base, *view) for base in bases)
             maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
         launch.decode_fn(

@@ -308,17 +308,6 @@ class KernelSpec:
         return self.page_size > 0
 
     @property
-    def tma_box_columns(self) -> int:
-        """kv_copy='tma': boxes side by side across one K/V row."""
-        return self.kv_row_bytes // self.tma_box_bytes
-
-    @property
-    def page_boxes(self) -> bool:
-        """kv_copy='tma' on pages shorter than a tile whose rows span several box columns: a page
-        arrives as one 3-D box (its rows x its box columns) instead of a box per column."""
-        return self.kv_copy == "tma" and self.paged and self.page_size < self.tile_tokens and self.tma_box_columns > 1
-
-    @property
     def tma_box_rows(self) -> int:
         """kv_copy='tma': token rows per tensor-map box (a tile, or a page when pages are shorter)."""
         return min(self.tile_tokens, self.page_size) if self.paged else self.tile_tokens

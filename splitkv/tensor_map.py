@@ -70,13 +70,10 @@ def _aligned_buffer() -> np.ndarray:
     return raw[start:start + MAP_BYTES]
 
 
-def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES,
-                 box_columns: int = 1) -> dict:
+def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES) -> dict:
     """The encode call's arguments for a row-major [rows][cols] matrix read in boxes of
     ``box_bytes`` (32, 64 or 128, swizzled over that span) x ``box_rows`` rows (checked here, so a
-    bad shape fails with a clear message). With ``box_columns`` > 1 the matrix is viewed in 3-D,
-    [column block][row][box_bytes] (column blocks ``box_bytes`` apart), and a box takes that many
-    adjacent column blocks of its rows at once, laid out block after block in shared memory."""
+    bad shape fails with a clear message)."""
     if elem_bytes not in (1, 2):
         raise ValueError(f"tensor map: elements of {elem_bytes} bytes are not supported (1 or 2)")
     if box_bytes not in _SWIZZLE_OF_BOX_BYTES:
@@ -88,30 +85,22 @@ def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes
         raise ValueError(f"tensor map: boxes of {box_rows} rows; the copy engine takes 1 to 256")
     if rows < 1 or rows >= 2**31 or cols >= 2**31:
         raise ValueError(f"tensor map: a [{rows}][{cols}] view is outside the copy engine's coordinates")
-    box_elems = box_bytes // elem_bytes
-    geometry = {"dtype": _DTYPE_UINT8 if elem_bytes == 1 else _DTYPE_UINT16, "swizzle": _SWIZZLE_OF_BOX_BYTES[box_bytes]}
-    if box_columns == 1:
-        return {**geometry, "dims": (cols, rows), "strides": (row_bytes,), "box": (box_elems, box_rows)}
-    if box_columns < 1 or row_bytes % box_bytes or box_columns > row_bytes // box_bytes:
-        raise ValueError(f"tensor map: boxes of {box_columns} columns of {box_bytes} bytes do not fit rows of "
-                         f"{row_bytes} bytes")
-    return {**geometry, "dims": (box_elems, rows, row_bytes // box_bytes), "strides": (row_bytes, box_bytes),
-            "box": (box_elems, box_rows, box_columns)}
+    return {"dtype": _DTYPE_UINT8 if elem_bytes == 1 else _DTYPE_UINT16,
+            "dims": (cols, rows), "row_stride": row_bytes,
+            "box": (box_bytes // elem_bytes, box_rows), "swizzle": _SWIZZLE_OF_BOX_BYTES[box_bytes]}
 
 
-def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES,
-           box_columns: int = 1) -> np.ndarray:
+def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES) -> np.ndarray:
     """The tensor map of the device matrix at ``ptr`` (see `box_geometry`), as 128 host bytes."""
-    geo = box_geometry(rows, cols, elem_bytes, box_rows, box_bytes, box_columns)
+    geo = box_geometry(rows, cols, elem_bytes, box_rows, box_bytes)
     if ptr % 16:
         raise ValueError(f"tensor map: the cache's address {ptr:#x} is not 16-byte aligned")
     out = _aligned_buffer()
-    rank = len(geo["dims"])
-    dims = (ctypes.c_uint64 * rank)(*geo["dims"])
-    strides = (ctypes.c_uint64 * (rank - 1))(*geo["strides"])
-    box = (ctypes.c_uint32 * rank)(*geo["box"])
-    steps = (ctypes.c_uint32 * rank)(*([1] * rank))
-    status = _encode_function()(out.ctypes.data, geo["dtype"], rank, ctypes.c_void_p(ptr), dims, strides, box, steps,
+    dims = (ctypes.c_uint64 * 2)(*geo["dims"])
+    strides = (ctypes.c_uint64 * 1)(geo["row_stride"])
+    box = (ctypes.c_uint32 * 2)(*geo["box"])
+    steps = (ctypes.c_uint32 * 2)(1, 1)
+    status = _encode_function()(out.ctypes.data, geo["dtype"], 2, ctypes.c_void_p(ptr), dims, strides, box, steps,
                                 _INTERLEAVE_NONE, geo["swizzle"], _L2_PROMOTION_NONE, _OOB_FILL_ZEROS)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a [{rows}][{cols}] "
@@ -130,20 +119,19 @@ class TensorMapCache:
         self._maps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def argument(self, ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES,
-                 box_columns: int = 1):
+    def argument(self, ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES):
         """(launch argument, host buffer): the argument passes the map by value (CuPy copies the 128
         bytes it points at when the kernel is launched or captured); it does not own them, so the
         caller keeps the buffer until the launch has been made."""
         from cupy.cuda.function import CPointer
 
-        key = (ptr, rows, cols, elem_bytes, box_rows, box_bytes, box_columns)
+        key = (ptr, rows, cols, elem_bytes, box_rows, box_bytes)
         with self._lock:
             held = self._maps.get(key)
             if held is not None:
                 self._maps.move_to_end(key)
                 return held
-        buffer = encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes, box_columns)
+        buffer = encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes)
         held = (CPointer(buffer.ctypes.data), buffer)
         with self._lock:
             self._maps[key] = held

@@ -89,8 +89,8 @@ def fake_gpu(monkeypatch, tmp_path):
             record.launches.append(types.SimpleNamespace(spec=spec, grid=grid, args=args, device=record.current))
         return launch, types.SimpleNamespace(registers=96)
 
-    def encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes, box_columns):
-        tensor_map.box_geometry(rows, cols, elem_bytes, box_rows, box_bytes, box_columns)  # the real checks of the view
+    def encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes):
+        tensor_map.box_geometry(rows, cols, elem_bytes, box_rows, box_bytes)  # the real checks of the view
         record.maps.append((ptr, rows, cols))
         return tensor_map._aligned_buffer()
 

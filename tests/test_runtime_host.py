@@ -132,8 +132,8 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
 
     encoded = []
 
-    def fake_encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes, box_columns):
-        encoded.append((ptr, rows, cols, elem_bytes, box_rows, box_bytes, box_columns))
+    def fake_encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes):
+        encoded.append((ptr, rows, cols, elem_bytes, box_rows, box_bytes))
         buffer = tensor_map._aligned_buffer()
         buffer[:8] = np.frombuffer(np.uint64(ptr).tobytes(), dtype=np.uint8)  # which cache it maps
         return buffer
@@ -168,7 +168,7 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
     v_ptrs = [c[1].__cuda_array_interface__["data"][0] for c in caches]
     assert launched == [(k_ptrs[0], v_ptrs[0]), (k_ptrs[0], v_ptrs[0]), (k_ptrs[1], v_ptrs[1])]
     # [batch x cache_len][num_kv_heads x head_dim] of 2-byte elements, boxes of 128 bytes x tile_tokens rows
-    views = [(p, 2 * 1024, 2 * 128, 2, spec.tile_tokens, 128, 1) for p in (k_ptrs[0], v_ptrs[0], k_ptrs[1], v_ptrs[1])]
+    views = [(p, 2 * 1024, 2 * 128, 2, spec.tile_tokens, 128) for p in (k_ptrs[0], v_ptrs[0], k_ptrs[1], v_ptrs[1])]
     assert encoded == views
 
 

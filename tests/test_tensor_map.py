@@ -12,7 +12,7 @@ def test_geometry_of_a_bf16_cache():
     # K of batch 3, 1000 tokens, 8 K/V heads of 128 dims: 3000 rows of 1024 elements, 2048 bytes apart,
     # boxes of 64 dims (128 bytes) x 32 tokens, as the program's kv_at expects.
     geo = box_geometry(3 * 1000, 8 * 128, 2, 32)
-    assert geo["dims"] == (1024, 3000) and geo["strides"] == (2048,) and geo["box"] == (64, 32)
+    assert geo["dims"] == (1024, 3000) and geo["row_stride"] == 2048 and geo["box"] == (64, 32)
     # The program takes its box width from the same constant: boxes of 128 bytes, 64 bf16 dims.
     source = render(KernelSpec(arch="sm_90", kv_copy="tma"))
     assert f"constexpr int BOX_BYTES = {TMA_BOX_BYTES};" in source
@@ -24,7 +24,7 @@ def test_geometry_of_an_nvfp4_cache():
     # NVFP4 rows of 128 dims are 64 bytes, one box each with the 64-byte swizzle; head_dim 64's rows
     # of 32 bytes take the 32-byte swizzle. The map's elements are bytes (two values each).
     geo = box_geometry(3 * 1000, 8 * 64, 1, 32, 64)
-    assert geo["dims"] == (512, 3000) and geo["strides"] == (512,) and geo["box"] == (64, 32) and geo["swizzle"] == 2
+    assert geo["dims"] == (512, 3000) and geo["row_stride"] == 512 and geo["box"] == (64, 32) and geo["swizzle"] == 2
     assert box_geometry(3000, 8 * 32, 1, 32, 32)["swizzle"] == 1
     spec = KernelSpec(arch="sm_90", kv_dtype="nvfp4", kv_copy="tma", warps=8, chunk_size=256)
     assert spec.tma_box_bytes == 64 and spec.kv_elem_bytes == 1
@@ -37,27 +37,10 @@ def test_geometry_of_an_nvfp4_cache():
         box_geometry(3000, 8 * 64, 1, 32, 48)
 
 
-def test_pages_of_a_bf16_cache_arrive_as_one_3d_box_each():
-    # Pages of 16 tokens, 8 K/V heads of 128 bf16 dims (NHD): a page's 16 rows of one head, both of
-    # its 128-byte column blocks, in one box; the view is [column block][row][64 elements].
-    geo = box_geometry(1000 * 16, 8 * 128, 2, 16, 128, 2)
-    assert geo["dims"] == (64, 16000, 16) and geo["strides"] == (2048, 128) and geo["box"] == (64, 16, 2)
-    spec = KernelSpec(arch="sm_90", kv_copy="tma", page_size=16)
-    assert spec.page_boxes and spec.tma_box_columns == 2
-    assert "constexpr bool PAGE_BOXES = true;" in render(spec)
-    # Pages of a tile or more, FP8 rows of one box, contiguous caches: boxes of one column block.
-    for other in (KernelSpec(arch="sm_90", kv_copy="tma", page_size=64), KernelSpec(arch="sm_90", kv_copy="tma"),
-                  KernelSpec(arch="sm_90", kv_copy="tma", page_size=16, kv_dtype="fp8_e4m3", tile_tokens=64,
-                             chunk_size=256)):
-        assert not other.page_boxes and "constexpr bool PAGE_BOXES = false;" in render(other)
-    with pytest.raises(ValueError, match="do not fit"):
-        box_geometry(16000, 8 * 128, 2, 16, 128, 32)
-
-
 def test_geometry_of_an_fp8_cache():
     # FP8 rows of 128 dims are one box of 128 one-byte elements.
     geo = box_geometry(3 * 1000, 8 * 128, 1, 64)
-    assert geo["dims"] == (1024, 3000) and geo["strides"] == (1024,) and geo["box"] == (128, 64)
+    assert geo["dims"] == (1024, 3000) and geo["row_stride"] == 1024 and geo["box"] == (128, 64)
 
 
 @pytest.mark.parametrize("args, match", [
@@ -84,7 +67,7 @@ def test_cache_encodes_each_cache_once_and_evicts_the_least_recently_used(monkey
 
     encoded = []
 
-    def fake_encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes, box_columns):
+    def fake_encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes):
         encoded.append((ptr, box_rows))
         return tm._aligned_buffer()
 

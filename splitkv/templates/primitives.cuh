@@ -82,13 +82,6 @@ __device__ __forceinline__ void tensor_copy_2d_to_smem(void* smem_dst, const Ten
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  :: "r"(smem_addr(smem_dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar)) : "memory");
 }
-// One box of a 3-D tensor, starting at element (c0, c1, c2), into shared memory (c0 varying fastest
-// there, c2 slowest), its bytes counted on `bar`.
-__device__ __forceinline__ void tensor_copy_3d_to_smem(void* smem_dst, const TensorMap* map, int c0, int c1, int c2,
-                                                       unsigned long long* bar) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
-                 :: "r"(smem_addr(smem_dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar)) : "memory");
-}
 // Orders this thread's plain shared-memory writes before later bulk copies into the same bytes.
 __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

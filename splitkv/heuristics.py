@@ -111,7 +111,7 @@ SATURATING_BYTES_IN_FLIGHT = 6 << 20
 #: one cluster where twice the bytes would take 128 CTAs merged through global memory (H200, pages
 #: of 16 in a random order, 32/8: 1 x 8k 18.9 µs against 20.5, 1 x 16k 29.6 against 30.5,
 #: 4 x 4k 29.6 against 30.6; 3 x 4k keeps 96 CTAs in clusters of 4, 24.5 µs, where 48 took 25.7).
-SHORT_PAGE_IN_FLIGHT_FACTOR = {"cp_async": 2.0, "tma": 4 / 3}
+SHORT_PAGE_IN_FLIGHT_FACTOR = {"cp_async": (2, 1), "tma": (4, 3)}  # (numerator, denominator)
 
 #: Longest split the short-row rule plans on boxed pages shorter than a tile; longer rows go to the
 #: wave model's 128 CTAs (H200, pages of 16: 1 x 24k's 64 CTAs of 1.5 MiB 39.4 µs against 40.0 on
@@ -132,7 +132,8 @@ def saturating_ctas(spec: KernelSpec) -> int | None:
         return None
     in_flight = SATURATING_BYTES_IN_FLIGHT
     if _short_pages(spec):
-        in_flight = int(in_flight * SHORT_PAGE_IN_FLIGHT_FACTOR[spec.kv_copy])
+        numerator, denominator = SHORT_PAGE_IN_FLIGHT_FACTOR[spec.kv_copy]
+        in_flight = in_flight * numerator // denominator
     return -(-in_flight // spec.smem_bytes)
 
 

@@ -120,9 +120,14 @@ def test_fp8_cta_shapes_and_copies(changes):
                   num_kv=2, per_head=True)
 
 
-@pytest.mark.parametrize("changes", [c for c in SHAPES if c.get("kv_copy", "cp_async") == "cp_async"])
+# NVFP4: every shape through per-lane copies, and the shapes that do not ask for per-lane copies
+# through tensor maps too (values in boxes, block scales per lane on the same stage barriers).
+NVFP4_SHAPES = ([{**c, "kv_copy": "cp_async"} for c in SHAPES]
+                + [{**c, "kv_copy": "tma"} for c in SHAPES if "kv_copy" not in c])
+
+
+@pytest.mark.parametrize("changes", NVFP4_SHAPES)
 def test_nvfp4_cta_shapes(changes):
-    changes = {**changes, "kv_copy": "cp_async"}
     run_quantized("nvfp4", 128, 4, [7000, 1, 2500, 0], variant="split", num_splits=9, spec_changes=changes,
                   num_kv=2, per_head=True)
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from splitkv.plan import (DENSE_SM_SHARE, FEW_SPLITS_MAX_BYTES, WARP_HEADS_SHARE, dense_regardless, SplitPlan, describe, fit_clusters, fixed_plan,
@@ -496,6 +496,20 @@ def test_span_plan_fills_132_sms_with_8_heads():
 def test_span_row_ctas_refuses_a_plain_plan():
     with pytest.raises(ValueError, match="span"):
         span_row_ctas(fixed_plan([100], 2, variant="split", chunk_size=16, num_splits=3), 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems())
+def test_the_short_row_rule_keeps_to_its_split_bound(problem):
+    """Where the short-row rule's plan is not the wave model's, no split streams more than the bound
+    (``max_split_bytes``, by default FEW_SPLITS_MAX_BYTES) of K/V."""
+    assume("saturating_ctas" in problem)
+    waves = run({k: v for k, v in problem.items()
+                 if k not in ("saturating_ctas", "kv_bytes_per_token", "max_split_bytes")})
+    plan = run(problem)
+    bound = problem.get("max_split_bytes") or FEW_SPLITS_MAX_BYTES
+    if plan != waves:
+        assert plan.tokens_per_split * problem["kv_bytes_per_token"] <= bound
 
 
 @settings(max_examples=200, deadline=None)

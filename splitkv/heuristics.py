@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .plan import FEW_SPLITS_MAX_BYTES
 from .spec import (ARCHS, QUANTIZED_KV_DTYPES, TMA_SWIZZLE_ROWS, KernelSpec, SharedMemoryError, arch_number,
-                   hnd_scale_boxes_align, rows_fit_tma_boxes)
+                   rows_fit_tma_boxes)
 
 #: 32-bit registers per SM (the same from sm_80 through sm_120).
 _REGISTERS_PER_SM = 65536
@@ -70,10 +70,9 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     cluster = 16 if variant == "split" and arch_number(arch) >= 90 else 1
 
     def shape(warps, tile, stages):
-        boxed = tma and hnd_scale_boxes_align(head_dim, kv_dtype, page_size, kv_layout, tile)
         return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype,
                           kv_dtype=kv_dtype, variant=variant, chunk_size=warps * tile, warps=warps,
-                          tile_tokens=tile, stages=stages, cluster=cluster, kv_copy="tma" if boxed else "cp_async",
+                          tile_tokens=tile, stages=stages, cluster=cluster, kv_copy="tma" if tma else "cp_async",
                           mma_m="tokens" if group_size <= 8 else "heads", page_size=page_size, kv_layout=kv_layout)
 
     # GPUs with 99 KB of shared memory per CTA (sm_86, sm_89, sm_120) cannot hold these rings: the

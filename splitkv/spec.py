@@ -96,15 +96,6 @@ def scales_fit_tma_boxes(head_dim: int, num_kv_heads: int, kv_layout: str = "NHD
     return kv_layout == "HND" or num_kv_heads * (head_dim // NVFP4_BLOCK) % TMA_SCALE_BOX_BYTES == 0
 
 
-def hnd_scale_boxes_align(head_dim: int, kv_dtype: str, page_size: int, kv_layout: str, tile_tokens: int) -> bool:
-    """Whether the per-page boxes of NVFP4 block scales land on 128-byte boundaries of shared memory,
-    as the copy engine needs: an HND page's scales of one K/V head arrive back to back, so a tile of
-    several pages needs each page's to be a whole number of 128 bytes (true of every other case)."""
-    if kv_dtype != "nvfp4" or kv_layout != "HND" or not page_size or page_size >= tile_tokens:
-        return True
-    return page_size * (head_dim // NVFP4_BLOCK) % 128 == 0
-
-
 def hardware_e2m1(arch: str) -> bool:
     """Whether ``arch`` converts E2M1 to fp16 in hardware (``cvt.rn.f16x2.e2m1x2``: the
     arch-specific targets from sm_100a on); elsewhere the NVFP4 programs decode it with integer ops."""
@@ -316,11 +307,6 @@ class KernelSpec:
                              "(span_rows=False, steal_tiles=0)")
         if self.kv_copy == "bulk":
             raise ValueError("kv_copy: paged caches are copied with 'cp_async' or 'tma'")
-        if self.kv_copy == "tma" and not hnd_scale_boxes_align(self.head_dim, self.kv_dtype, self.page_size,
-                                                                self.kv_layout, self.tile_tokens):
-            raise ValueError(f"kv_copy: 'tma' boxes of an HND page's NVFP4 block scales ({self.page_size} x "
-                             f"{self.kv_scale_row_bytes} bytes) would not start on 128-byte boundaries; "
-                             f"use kv_copy='cp_async' or pages of a tile or more")
         if self.kv_copy == "tma" and self.page_size < TMA_SWIZZLE_ROWS:
             raise ValueError(f"kv_copy: 'tma' boxes of a paged cache hold whole pages of at least "
                              f"{TMA_SWIZZLE_ROWS} tokens (the swizzle's period); page_size {self.page_size} "

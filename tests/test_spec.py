@@ -157,20 +157,6 @@ def test_which_nvfp4_block_scales_fit_tensor_map_rows():
     assert all(scales_fit_tma_boxes(d, h, "HND") for d in (64, 128) for h in (1, 3, 7))
 
 
-def test_hnd_pages_shorter_than_a_tile_box_nvfp4_scales_of_whole_128_bytes():
-    from splitkv.spec import hnd_scale_boxes_align
-
-    # A page's scales of one head land back to back, so each page's must fill 128-byte units.
-    assert hnd_scale_boxes_align(128, "nvfp4", 16, "HND", 32) and not hnd_scale_boxes_align(128, "nvfp4", 8, "HND", 32)
-    assert not hnd_scale_boxes_align(64, "nvfp4", 16, "HND", 32) and hnd_scale_boxes_align(64, "nvfp4", 32, "HND", 32)
-    assert hnd_scale_boxes_align(64, "nvfp4", 16, "NHD", 32) and hnd_scale_boxes_align(128, "fp8_e4m3", 8, "HND", 64)
-    base = dict(arch="sm_90", head_dim=64, kv_dtype="nvfp4", warps=8, chunk_size=256, page_size=16, kv_layout="HND")
-    with pytest.raises(ValueError, match="128-byte boundaries"):
-        KernelSpec(**base, kv_copy="tma")
-    assert default_spec("sm_90", 64, 4, kv_dtype="nvfp4", page_size=16, kv_layout="HND").kv_copy == "cp_async"
-    assert default_spec("sm_90", 128, 4, kv_dtype="nvfp4", page_size=16, kv_layout="HND").kv_copy == "tma"
-
-
 def test_cluster_inbox_sits_past_the_rings_and_the_combine():
     # Every member's slice of the output, and its log-sum-exps, land in the owner's inbox while the
     # owner may still be streaming: the inbox must not overlap the rings or the combine area.

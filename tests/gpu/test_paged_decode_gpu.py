@@ -162,18 +162,6 @@ def test_quantized_pages(kv_dtype, page_size, layout, variant):
               num_splits=5)
 
 
-@pytest.mark.parametrize("head_dim, num_kv", [(64, 4), (64, 2), (128, 3), (256, 3)])
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_nvfp4_block_scale_boxes(head_dim, num_kv, layout):
-    """Block scales through tensor maps: NHD boxes of 16-byte rows (the next heads' scales along; the
-    last heads' past the row read as zeros), HND a page's rows of one head; NHD token rows of an odd
-    number of 8-byte scale rows (64 x 2, 128 x 3) go through per-lane copies."""
-    attn = run_paged(head_dim, 4, [7, 1077, 2081], 16, layout, kv_dtype="nvfp4", num_kv=num_kv, variant="split",
-                     num_splits=3)
-    boxed = layout == "HND" or num_kv * head_dim // 16 % 16 == 0
-    assert attn._launch.spec.kv_copy == ("tma" if boxed else "cp_async"), attn.plan_info
-
-
 @pytest.mark.parametrize("head_dim, group", [(64, 1), (96, 8), (256, 16), (256, 4)])
 @pytest.mark.parametrize("page_size", [4, 32])
 def test_head_dims_and_groups(head_dim, group, page_size):

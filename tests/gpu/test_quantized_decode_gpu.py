@@ -121,10 +121,9 @@ def test_fp8_cta_shapes_and_copies(changes):
 
 
 # NVFP4: every shape through per-lane copies, and the shapes that do not ask for per-lane copies
-# through tensor maps too (values and block scales in boxes, on the same stage barriers), stolen
-# tiles included.
+# through tensor maps too (values in boxes, block scales per lane on the same stage barriers).
 NVFP4_SHAPES = ([{**c, "kv_copy": "cp_async"} for c in SHAPES]
-                + [{**c, "kv_copy": "tma"} for c in SHAPES if "kv_copy" not in c] + [{"steal_tiles": 2, "kv_copy": "tma"}])
+                + [{**c, "kv_copy": "tma"} for c in SHAPES if "kv_copy" not in c])
 
 
 @pytest.mark.parametrize("changes", NVFP4_SHAPES)

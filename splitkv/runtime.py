@@ -29,8 +29,7 @@ from .heuristics import (default_spec, few_splits_max_bytes, resident_ctas_per_s
 from .quantize import QuantizedKV
 from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_plan, pack_heads, plan_splits_unchecked,
                    span_plan, wants_packed_heads, whole_row_ctas)
-from .spec import (KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, TILE_COUNTER_STRIDE, TMA_SCALE_BOX_BYTES, KernelSpec,
-                   MergeSpec, scales_fit_tma_boxes)
+from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS, UnitPlan, choose_kv_splits,
                          may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
@@ -180,12 +179,6 @@ class DecodeAttention:
             self.dense_spec = default_spec(self.arch, *layout, "dense", **paging)
         else:
             self.dense_spec = base.replace(arch=self.arch, **paging).as_dense()
-        for name, given in (("spec", spec), ("dense_spec", dense_spec)):
-            if given is not None and self._fit_copy(given) is not given:
-                raise ValueError(f"{name}: NVFP4 block scales of {num_kv_heads} K/V heads (rows of "
-                                 f"{num_kv_heads * given.kv_scale_row_bytes} bytes, not a whole number of 16) "
-                                 "cannot arrive through tensor maps; use kv_copy='cp_async'")
-        self.split_spec, self.dense_spec = self._fit_copy(self.split_spec), self._fit_copy(self.dense_spec)
         self._whole_row_clusters = takes_whole_row_clusters(self.split_spec)
         if not isinstance(tuned, bool):
             raise TypeError(f"tuned: expected True or False, got {tuned!r}")
@@ -447,21 +440,12 @@ class DecodeAttention:
                 held = self._loaded[id(spec)] = (spec, *load_kernel(spec))
         return held[1:]
 
-    def _fit_copy(self, spec: KernelSpec) -> KernelSpec:
-        """``spec``, or its twin of per-lane copies where its NVFP4 block scales cannot arrive through
-        tensor maps (`scales_fit_tma_boxes`: an NHD cache of an odd number of 8-byte scale rows)."""
-        if (spec.kv_copy == "tma" and spec.kv_dtype == "nvfp4"
-                and not scales_fit_tma_boxes(spec.head_dim, self.num_kv_heads, self.kv_layout)):
-            return spec.replace(kv_copy="cp_async")
-        return spec
-
     def _use_tuned(self, rows: int, max_len: int) -> bool:
         """Take the programs of the tuned entry nearest this workload (`lookup.programs_for`); True
         when the plan must be dense."""
         entry = self._tuned.entry_for(rows, max_len)
         split, dense, forced = lookup.programs_for(entry.spec if entry else None, self.arch, self._tuned.key, rows,
                                                    self.num_sms)
-        split, dense = self._fit_copy(split), self._fit_copy(dense)
         if not _same_spec(split, self.split_spec):
             self.split_spec = split  # _split_program follows
             self._whole_row_clusters = takes_whole_row_clusters(split)
@@ -575,17 +559,6 @@ class DecodeAttention:
             device_table = self._buffer("block_table", host.size, np.int32)
             device_table.set(host.ravel())
         return _BlockTable(device_table, np.uint64(device_table.data.ptr), stride, highest)
-
-    def _scale_map_view(self, spec: KernelSpec, rows: int, paged: bool) -> tuple:
-        """The tensor-map view of NVFP4 block scales beside values of ``rows`` map rows (see
-        `TensorMapCache.argument`): NHD [rows][num_kv_heads x scale row] read in boxes of 16-byte
-        rows x the values' box rows; HND (a page's scales of one K/V head lie together) the same
-        bytes as rows of 16, several tokens each."""
-        scale_row = spec.kv_scale_row_bytes
-        if paged and self.kv_layout == "HND":
-            per_row = TMA_SCALE_BOX_BYTES // scale_row  # tokens per 16-byte map row
-            return (rows // per_row, TMA_SCALE_BOX_BYTES, 1, spec.tma_box_rows // per_row, TMA_SCALE_BOX_BYTES)
-        return (rows, self.num_kv_heads * scale_row, 1, spec.tma_box_rows, TMA_SCALE_BOX_BYTES)
 
     def _empty_kv_ptr(self, spec: KernelSpec, max_planned: int) -> int:
         """Where the tensor maps of a plan of no tokens point (0: not needed). k.shape[1] may then be 0,
@@ -714,15 +687,11 @@ class DecodeAttention:
                 rows = num_pages * self.page_size * (self.num_kv_heads if self.kv_layout == "HND" else 1)
                 cols = row_elems if self.kv_layout == "HND" else cols
             bases = (int(k_ptr), int(v_ptr))
-            if spec.kv_dtype == "nvfp4":
-                bases += tuple(_data_ptr(x.block_scales) for x in (k, v))
             if rows == 0:  # an empty cache (every length is 0): maps of the plan's stand-in tile
-                rows, bases = spec.tile_tokens, (launch.empty_kv_ptr,) * len(bases)
-            views = [(rows, cols, spec.kv_elem_bytes, spec.tma_box_rows, spec.tma_box_bytes)] * 2
-            if spec.kv_dtype == "nvfp4":
-                views += [self._scale_map_view(spec, rows, bool(table))] * 2
-            held = [self._tensor_maps.argument(base, *view) for base, view in zip(bases, views)]
-            maps, map_bytes = tuple(m for m, _ in held), tuple(b for _, b in held)  # the arguments point into these
+                rows, bases = spec.tile_tokens, (launch.empty_kv_ptr,) * 2
+            view = (rows, cols, spec.kv_elem_bytes, spec.tma_box_rows, spec.tma_box_bytes)
+            (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(base, *view) for base in bases)
+            maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
         launch.decode_fn(
             launch.grid, (spec.threads,),
             (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,

@@ -55,10 +55,6 @@ CLUSTERS = tuple(range(1, 17))
 KV_COPIES = ("cp_async", "bulk", "tma")
 #: Bytes of a tensor-map box row: the span of the copy engine's 128-byte swizzle.
 TMA_BOX_BYTES = 128
-#: Bytes of a tensor-map box row of NVFP4 block scales: the copy engine's narrowest, unswizzled.
-#: A token's scales of one K/V head are 4-16 bytes (head_dim 64-256), so in an NHD cache a box row
-#: brings the next K/V heads' scales along (from L2; the program reads its own head's only).
-TMA_SCALE_BOX_BYTES = 16
 #: Rows over which the 128-byte swizzle repeats: a tensor-map box of a paged cache (one page, when
 #: pages are shorter than a tile) must hold a whole number of them.
 TMA_SWIZZLE_ROWS = 8
@@ -86,14 +82,6 @@ def tma_box_bytes(head_dim: int, kv_dtype: str) -> int | None:
 def rows_fit_tma_boxes(head_dim: int, kv_dtype: str) -> bool:
     """Whether K/V rows of ``head_dim`` elements arrive through tensor-map boxes (`tma_box_bytes`)."""
     return tma_box_bytes(head_dim, kv_dtype) is not None
-
-
-def scales_fit_tma_boxes(head_dim: int, num_kv_heads: int, kv_layout: str = "NHD") -> bool:
-    """Whether NVFP4 block scales of ``num_kv_heads`` K/V heads can arrive through tensor-map boxes.
-    The copy engine's rows must be a whole number of 16 bytes: an NHD cache's token row holds every
-    K/V head's scales (``num_kv_heads x head_dim / 16`` bytes; an odd count of 8-byte rows is not),
-    an HND page one K/V head's scales of all its tokens together (always a whole number)."""
-    return kv_layout == "HND" or num_kv_heads * (head_dim // NVFP4_BLOCK) % TMA_SCALE_BOX_BYTES == 0
 
 
 def hardware_e2m1(arch: str) -> bool:
@@ -253,8 +241,11 @@ class KernelSpec:
             raise ValueError(f"kv_dtype: {self.kv_dtype} K/V are converted with cvt.f16x2.e4m3x2, which needs sm_89 "
                              f"or newer; got arch {self.arch}")
         if self.kv_dtype == "nvfp4" and self.kv_copy == "bulk":
-            raise ValueError("kv_copy: NVFP4 block scales arrive through tensor-map boxes or per-lane copies, "
-                             "not row copies; use kv_copy='tma' or 'cp_async'")
+            raise ValueError("kv_copy: NVFP4 block scales arrive through cp.async beside tensor-map boxes "
+                             "or per-lane copies; use kv_copy='tma' or 'cp_async'")
+        if self.kv_dtype == "nvfp4" and self.kv_copy == "tma" and self.steal_tiles:
+            raise ValueError("steal_tiles: NVFP4 through tensor maps completes a stage with every lane's "
+                             "block-scale copies, which a stage left empty does not make; use kv_copy='cp_async'")
         if self.kv_dtype == "nvfp4" and self.head_dim % 64:
             raise ValueError(f"head_dim: NVFP4 programs copy each row's block scales as one 4-16 byte piece, "
                              f"so head_dim must be a multiple of 64; got {self.head_dim}")
@@ -361,16 +352,6 @@ class KernelSpec:
         return self.head_dim // NVFP4_BLOCK if self.kv_dtype == "nvfp4" else 0
 
     @property
-    def kv_scale_pitch(self) -> int:
-        """Bytes between two tokens' NVFP4 block scales in a shared-memory tile (0 for other formats):
-        their row, or where tensor-map boxes of an NHD cache bring them, the box's row of
-        `TMA_SCALE_BOX_BYTES` (an HND page's boxes bring one K/V head's rows back to back)."""
-        row = self.kv_scale_row_bytes
-        if row and self.kv_copy == "tma" and self.kv_layout == "NHD":
-            return max(row, TMA_SCALE_BOX_BYTES)
-        return row
-
-    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K plus V (block scales included) one token of one K/V head occupies in memory."""
         return 2 * kv_token_bytes(self.head_dim, self.kv_dtype)
@@ -395,7 +376,7 @@ class KernelSpec:
     def tile_bytes(self) -> int:
         """Shared memory of one K (or V) tile: padded rows of values, then (NVFP4) block-scale rows;
         with tensor maps, rounded up to the swizzle's period (8 box rows), on which every box starts."""
-        tile = self.tile_tokens * (self.kv_row_bytes + self.smem_pad + self.kv_scale_pitch)
+        tile = self.tile_tokens * (self.kv_row_bytes + self.smem_pad + self.kv_scale_row_bytes)
         if self.kv_copy == "tma":
             period = TMA_SWIZZLE_ROWS * self.tma_box_bytes
             tile = -(-tile // period) * period

@@ -4,8 +4,7 @@ A tensor map (the driver's ``CUtensorMap``) describes a 2-D view of a K or V cac
 engine: here ``[batch x max_len][num_kv_heads x head_dim]`` elements, rows ``num_kv_heads x
 head_dim`` elements apart (NVFP4: bytes), fetched as boxes of 128 bytes (NVFP4's rows of 32 or 64
 bytes: one box each) x ``tile_tokens`` rows with the swizzle of that span, which the program's
-``kv_at`` undoes. NVFP4's block scales have maps of their own, of unswizzled 16-byte box rows
-(see `splitkv.spec.TMA_SCALE_BOX_BYTES`). The map holds the cache's address, so it is encoded on
+``kv_at`` undoes. The map holds the cache's address, so it is encoded on
 the host for each cache a program reads (``cuTensorMapEncodeTiled``, a pure host call: no
 synchronisation, no device memory) and passed to the kernel by value; `TensorMapCache` keeps the
 last few, so a decode loop over the same cache encodes once.
@@ -27,9 +26,8 @@ MAP_ALIGN = 64
 # Enumerators of cuda.h that the encode call takes.
 _DTYPE_UINT8, _DTYPE_UINT16 = 0, 1
 _INTERLEAVE_NONE = 0
-#: The swizzle of a box row of 32, 64 or 128 bytes: its 16-byte pieces XOR-permuted over 8 rows;
-#: rows of 16 bytes (NVFP4 block scales) are not swizzled.
-_SWIZZLE_OF_BOX_BYTES = {16: 0, 32: 1, 64: 2, 128: 3}
+#: The swizzle of a box row of 32, 64 or 128 bytes: its 16-byte pieces XOR-permuted over 8 rows.
+_SWIZZLE_OF_BOX_BYTES = {32: 1, 64: 2, 128: 3}
 _L2_PROMOTION_NONE = 0  # 256-byte promotion measured 6% slower at 128k (H200), none and 128 B equal
 _OOB_FILL_ZEROS = 0
 #: Encoded maps kept (two per cache: K and V). A model runs one DecodeAttention over every layer's
@@ -74,13 +72,12 @@ def _aligned_buffer() -> np.ndarray:
 
 def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES) -> dict:
     """The encode call's arguments for a row-major [rows][cols] matrix read in boxes of
-    ``box_bytes`` (32, 64 or 128, swizzled over that span; 16, unswizzled) x ``box_rows`` rows (checked here, so a
+    ``box_bytes`` (32, 64 or 128, swizzled over that span) x ``box_rows`` rows (checked here, so a
     bad shape fails with a clear message)."""
     if elem_bytes not in (1, 2):
         raise ValueError(f"tensor map: elements of {elem_bytes} bytes are not supported (1 or 2)")
     if box_bytes not in _SWIZZLE_OF_BOX_BYTES:
-        raise ValueError(f"tensor map: box rows of {box_bytes} bytes; the swizzles span 32, 64 or 128 "
-                         f"(16: no swizzle)")
+        raise ValueError(f"tensor map: box rows of {box_bytes} bytes; the swizzles span 32, 64 or 128")
     row_bytes = cols * elem_bytes
     if row_bytes % 16:
         raise ValueError(f"tensor map: rows of {row_bytes} bytes; the copy engine needs a multiple of 16")

@@ -585,7 +585,7 @@ def test_an_hnd_quantized_cache_takes_a_scale_per_kv_head(fake_gpu):
 
 def test_nvfp4_tensor_maps_view_the_values_as_bytes(fake_gpu):
     """NVFP4 values pack two per byte: the maps' rows are a token's heads of 64 bytes (head_dim 128),
-    in byte elements, read in one 64-byte box per row; the block scales' maps rows of 8 x 8 bytes."""
+    in byte elements, read in one 64-byte box per row."""
     from splitkv import DecodeAttention
     from splitkv.quantize import QuantizedKV
 
@@ -600,53 +600,7 @@ def test_nvfp4_tensor_maps_view_the_values_as_bytes(fake_gpu):
     k, v = cache(), cache()
     attn.run(_DeviceArray((2, 32, d), "<u2"), k, v)
     assert fake_gpu.maps == [(k.values.__cuda_array_interface__["data"][0], 2 * length, hkv * d // 2),
-                             (v.values.__cuda_array_interface__["data"][0], 2 * length, hkv * d // 2),
-                             (k.block_scales.__cuda_array_interface__["data"][0], 2 * length, hkv * d // 16),
-                             (v.block_scales.__cuda_array_interface__["data"][0], 2 * length, hkv * d // 16)]
-
-
-def _nvfp4_pages(num_pages, page, hkv, d, layout):
-    from splitkv.quantize import QuantizedKV
-
-    shape = (num_pages, page, hkv) if layout == "NHD" else (num_pages, hkv, page)
-    return QuantizedKV("nvfp4", _DeviceArray((*shape, d // 2), "|u1"), _DeviceArray((*shape, d // 16), "|u1"),
-                       _DeviceArray((1,), "<f4"))
-
-
-def test_nvfp4_hnd_block_scales_map_as_rows_of_16_bytes(fake_gpu):
-    """An HND page holds one K/V head's 8-byte scale rows back to back: the map reads them as rows
-    of 16 bytes (two tokens each), a page's worth per box."""
-    from splitkv import DecodeAttention
-
-    attn = DecodeAttention(8, 2, 128, kv_dtype="nvfp4", page_size=16, kv_layout="HND", tuned=False)
-    attn.plan([40, 20], block_table=np.arange(6, dtype=np.int32).reshape(2, 3))
-    assert attn._launch.spec.kv_copy == "tma"
-    k, v = _nvfp4_pages(6, 16, 2, 128, "HND"), _nvfp4_pages(6, 16, 2, 128, "HND")
-    attn.run(_DeviceArray((2, 8, 128), "<u2"), k, v)
-    scale_maps = fake_gpu.maps[2:]
-    assert scale_maps == [(x.block_scales.__cuda_array_interface__["data"][0], 6 * 2 * 16 // 2, 16) for x in (k, v)]
-
-
-@pytest.mark.parametrize("hkv, copy", [(1, "cp_async"), (3, "cp_async"), (2, "tma"), (6, "tma")])
-def test_nvfp4_scales_of_an_odd_number_of_rows_take_per_lane_copies(fake_gpu, hkv, copy):
-    """A tensor map's rows are a whole number of 16 bytes: an NHD token row of an odd number of 8-byte
-    scale rows is not, so the built-in programs copy per lane there, and a given tensor-map spec is refused."""
-    from splitkv import DecodeAttention
-    from splitkv.heuristics import default_spec
-
-    attn = DecodeAttention(4 * hkv, hkv, 128, kv_dtype="nvfp4", tuned=False)
-    attn.plan([300])
-    assert attn.split_spec.kv_copy == attn.dense_spec.kv_copy == attn._launch.spec.kv_copy == copy
-    paged = DecodeAttention(4 * hkv, hkv, 128, kv_dtype="nvfp4", page_size=16, tuned=False)
-    assert paged.split_spec.kv_copy == copy
-    hnd = DecodeAttention(4 * hkv, hkv, 128, kv_dtype="nvfp4", page_size=16, kv_layout="HND", tuned=False)
-    assert hnd.split_spec.kv_copy == "tma"  # a page's rows of one head lie together
-    given = default_spec("sm_90", 128, 4, kv_dtype="nvfp4")
-    if copy == "cp_async":
-        with pytest.raises(ValueError, match="cannot arrive through tensor maps"):
-            DecodeAttention(4 * hkv, hkv, 128, kv_dtype="nvfp4", spec=given)
-    else:
-        assert DecodeAttention(4 * hkv, hkv, 128, kv_dtype="nvfp4", spec=given).split_spec.kv_copy == "tma"
+                             (v.values.__cuda_array_interface__["data"][0], 2 * length, hkv * d // 2)]
 
 
 def test_a_device_table_may_leave_pages_the_lengths_do_not_use_yet(fake_gpu):

@@ -123,7 +123,7 @@ def test_tensor_copies_need_sm90_and_whole_boxes():
     assert spec.static_smem_bytes >= 1024
 
 
-def test_nvfp4_rows_and_block_scales_arrive_through_boxes():
+def test_nvfp4_rows_arrive_through_one_box_each_beside_per_lane_block_scales():
     from splitkv.spec import tma_box_bytes
 
     # Rows of 32, 64 and 128 bytes (head_dim 64, 128, 256): one box each, swizzled over its span.
@@ -137,24 +137,10 @@ def test_nvfp4_rows_and_block_scales_arrive_through_boxes():
     assert default_spec("sm_90", 128, 4, kv_dtype="nvfp4", page_size=4).kv_copy == "cp_async"
     with pytest.raises(ValueError, match="use kv_copy='tma' or 'cp_async'"):
         KernelSpec(**base, kv_copy="bulk")
-    # Block scales in boxes of 16-byte rows (NHD: a token's 8 bytes and the next head's), or as
-    # stored (per-lane copies, and HND pages, whose boxes bring one head's rows back to back).
-    assert spec.kv_scale_pitch == 16 and KernelSpec(**base, kv_copy="cp_async").kv_scale_pitch == 8
-    assert KernelSpec(**base, kv_copy="tma", page_size=16, kv_layout="HND").kv_scale_pitch == 8
-    assert KernelSpec(**base, kv_copy="tma", head_dim=256).kv_scale_pitch == 16
-    assert KernelSpec(arch="sm_90", kv_copy="tma").kv_scale_pitch == 0  # no block scales
-    # A stage completes on its boxes alone, so a stage left empty by stolen tiles completes too.
-    assert KernelSpec(**base, kv_copy="tma", steal_tiles=1).steal_tiles == 1
-
-
-def test_which_nvfp4_block_scales_fit_tensor_map_rows():
-    from splitkv.spec import scales_fit_tma_boxes
-
-    # NHD: a token's scales of every K/V head, a whole number of 16 bytes; HND: always.
-    assert [scales_fit_tma_boxes(128, h) for h in (1, 2, 3, 4, 7, 8)] == [False, True, False, True, False, True]
-    assert [scales_fit_tma_boxes(64, h) for h in (2, 4, 6, 8)] == [False, True, False, True]
-    assert all(scales_fit_tma_boxes(256, h) for h in (1, 3, 7))
-    assert all(scales_fit_tma_boxes(d, h, "HND") for d in (64, 128) for h in (1, 3, 7))
+    # A stage completes on every lane's block-scale copies, which an empty stolen stage lacks.
+    with pytest.raises(ValueError, match="steal_tiles"):
+        KernelSpec(**base, kv_copy="tma", steal_tiles=1)
+    assert KernelSpec(**base, kv_copy="cp_async", steal_tiles=1).steal_tiles == 1
 
 
 def test_cluster_inbox_sits_past_the_rings_and_the_combine():

@@ -28,13 +28,9 @@ def test_geometry_of_an_nvfp4_cache():
     assert box_geometry(3000, 8 * 32, 1, 32, 32)["swizzle"] == 1
     spec = KernelSpec(arch="sm_90", kv_dtype="nvfp4", kv_copy="tma", warps=8, chunk_size=256)
     assert spec.tma_box_bytes == 64 and spec.kv_elem_bytes == 1
-    # Tiles start on the 64-byte swizzle's period (8 rows, 512 bytes): 32 rows of 64 bytes and 32
-    # block-scale box rows of 16 bytes (2560 bytes, five periods); per lane, 8-byte rows (2304) take 2560.
-    assert spec.tile_bytes == 2560 and spec.replace(kv_copy="cp_async").tile_bytes == 32 * (64 + 16 + 8)
-    # The block scales' map: bytes, unswizzled boxes of 16-byte rows.
-    scales = box_geometry(3000, 8 * 8, 1, 32, 16)
-    assert scales["dims"] == (64, 3000) and scales["row_stride"] == 64 and scales["box"] == (16, 32)
-    assert scales["swizzle"] == 0
+    # Tiles start on the 64-byte swizzle's period (8 rows, 512 bytes): 32 rows of 64 bytes and
+    # 32 rows of 8 block-scale bytes (2304 bytes) take 2560.
+    assert spec.tile_bytes == 2560
     source = render(spec)
     assert "constexpr int BOX_BYTES = 64;" in source and "constexpr int TILE_BYTES = 2560;" in source
     with pytest.raises(ValueError, match="32, 64 or 128"):

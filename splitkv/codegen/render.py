@@ -68,7 +68,6 @@ def template_parameters(spec: AnySpec) -> dict:
                       kv_bits=spec.kv_bits, hardware_e2m1=hardware_e2m1(spec.arch), smem_pad=spec.smem_pad,
                       tma_box_bytes=spec.tma_box_bytes if spec.kv_copy == "tma" else TMA_BOX_BYTES,
                       tma_box_rows=spec.tma_box_rows, tile_bytes=spec.tile_bytes, kv_elem_bytes=spec.kv_elem_bytes,
-                      kv_scale_pitch=spec.kv_scale_pitch,
                       unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
                       cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
                       tile_counter_stride=TILE_COUNTER_STRIDE, span_state_offset=spec.span_state_offset,

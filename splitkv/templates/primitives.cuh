@@ -54,6 +54,11 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* ba
 __device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(bar)) : "memory");
 }
+// The barrier counts an arrival once every cp.async this thread issued before has landed; the
+// arrival was counted in the barrier's expected count at init (noinc).
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+}
 __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
     asm volatile("{\n.reg .pred done;\n"
                  "WAIT_%=:\n"

@@ -7,11 +7,11 @@ A work unit is one (sequence, K/V head), a row. When the rows alone fill a wave 
 CTAs, or give nearly every SM one CTA (`DENSE_SM_SHARE`), or no sequence is longer than one chunk,
 the dense program runs.
 
-Short rows (splits of at most `FEW_SPLITS_MAX_BYTES`, or the caller's bound), given the CTAs that saturate the memory
-system (``saturating_ctas``, see `saturating_ctas` in heuristics) and where some split count
-reaches it within the grid's limits: the fewest splits whose streaming CTAs reach that count (a
-power of two where one fits on the SMs, so that a row's splits can merge in one cluster), dense
-when the rows alone reach it. A stream is bound by the bytes in flight, not by the
+Short rows (splits of at most `FEW_SPLITS_MAX_BYTES`, or the caller's bound), given the CTAs that
+saturate the memory system (``saturating_ctas``, see `saturating_ctas` in heuristics) and where
+some split count reaches it within the grid's limits: the fewest splits whose streaming CTAs reach
+that count (a power of two where one fits on the SMs, so that a row's splits can merge in one
+cluster), dense when the rows alone reach it. A stream is bound by the bytes in flight, not by the
 CTAs an SM could hold: past the saturating count, more CTAs add only partials to merge and a
 second CTA per SM (H200, 3 x 8 rows of 4096 tokens, head_dim 128: 2 splits 24.7 µs and 4 splits
 24.1, against 27.9 for the 11 splits the wave model below takes).

@@ -100,6 +100,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     harness = Harness(args.iters, 5, 256 << 20)
+    harness.flush_us = harness.flush_time_us()  # enough flushes a call to keep the queue ahead of the GPU
     shapes = parse_shapes(args.shapes)
     floor = ReadFloor(max(s.total_bytes for s in shapes))  # the largest shape's bytes, however large
     rows = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from splitkv import DecodeAttention
+from splitkv import DecodeAttention, quantize_kv
 from splitkv.bench import Harness, parse_shapes, parse_spec_override, random_bf16_qkv
 from splitkv.floor import ReadFloor
 from splitkv.heuristics import default_spec
@@ -55,9 +55,9 @@ def planned_attention(shape, changes: dict, plan_keys: dict, stream):
     import cupy
 
     hq, hkv, d = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
-    spec = default_spec("sm_" + cupy.cuda.Device().compute_capability, d, hq // hkv).replace(**changes) \
-        if changes else None
-    attn = DecodeAttention(hq, hkv, d, spec=spec)
+    spec = default_spec("sm_" + cupy.cuda.Device().compute_capability, d, hq // hkv,
+                        kv_dtype=shape.kv_dtype).replace(**changes) if changes else None
+    attn = DecodeAttention(hq, hkv, d, kv_dtype=shape.kv_dtype, spec=spec)
     splits = plan_keys.get("splits")
     variant = None if splits is None else ("dense" if splits == 0 else "split")
     attn.plan([shape.seq_len] * shape.batch, variant=variant, num_splits=splits or None,
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     import cupy
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L (L may be written 4k)")
+    parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L[:fp8|:nvfp4] (L may be written 4k)")
     parser.add_argument("--variants", nargs="+", default=[""], help='field=value,...[,splits=N][,warp_heads=0|1]; "" = as shipped')
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=1,
@@ -92,10 +92,13 @@ def main(argv=None) -> int:
     variants = [(text, *parse_variant(text)) for text in args.variants]
 
     harness = Harness(args.iters, 5, 256 << 20)
+    harness.flush_us = harness.flush_time_us()  # enough flushes a call to keep the queue ahead of the GPU
     shapes = parse_shapes(args.shapes)
     floor = ReadFloor(max(s.total_bytes for s in shapes))
     for shape in shapes:
         q, k, v, out = random_bf16_qkv(shape)
+        if shape.kv_dtype != "bf16":  # the bf16 inputs quantized on the GPU, as the benchmark does
+            k, v = quantize_kv(k, shape.kv_dtype), quantize_kv(v, shape.kv_dtype)
         with harness.active():
             floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
         print(f"{shape.label}: read floor {floor_us:.1f} µs", flush=True)

@@ -842,6 +842,29 @@ def test_a_killed_run_loses_nothing_it_finished(tmp_path):
     assert interrupted and all(t.state.name == "FAIL" for t in interrupted)
 
 
+@pytest.mark.parametrize("other_asker", [None, "alive", "elsewhere"])
+def test_a_trial_left_naming_no_process_is_failed_once_its_askers_are_gone(other_asker):
+    """A run killed between Optuna's ask and the trial's host and pid records leaves a RUNNING trial
+    that names no process (or only its host): the kill above lands there now and then. It is failed
+    as interrupted when every process that asked for trials of the study is of this host and gone;
+    while one may be alive (this one, or one of another host), it may be between those records
+    itself, and its trial is left."""
+    pytest.importorskip("optuna")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    askers = [(search._HOST, gone.pid)]
+    if other_asker:
+        askers.append((search._HOST, os.getpid()) if other_asker == "alive" else ("another-host", gone.pid))
+    study = memory_study()
+    for host, pid in askers:
+        study.set_user_attr(f"{search.ASKER_ATTR} {host} {pid}", dict(host=host, pid=pid))
+    study.ask()
+    study.ask().set_user_attr("host", search._HOST)
+    assert search.fail_interrupted(study) == (0 if other_asker else 2)
+    assert {t.state.name for t in study.trials} == {"RUNNING" if other_asker else "FAIL"}
+    assert all(t.user_attrs.get("interrupted") is (None if other_asker else True) for t in study.trials)
+
+
 # ---- splitkv-gen --tune -------------------------------------------------------------------------
 
 def _tune_argv(tmp_path, *extra) -> list:

@@ -56,6 +56,9 @@ MAX_ASKS = 10
 _HOST = socket.gethostname()
 #: Prefix of the study attributes holding one process's seconds per phase (see `_Clock`).
 SECONDS_ATTR = "seconds"
+#: Prefix of the study attributes naming each process that asked for trials of it (host and pid),
+#: written before its first ask (see `fail_interrupted`).
+ASKER_ATTR = "asker"
 #: The phases, in the order the summary shows them: asking the sampler, waiting for candidates to
 #: compile (the GPU idle), measuring them (planning, checking against the reference, timing),
 #: confirming the winner. Not counted: building the study's inputs, storage reads, `exhaustive`.
@@ -184,11 +187,23 @@ def measured(study) -> list:
 
 def fail_interrupted(study) -> int:
     """Fail the trials a process of this host left RUNNING and is no longer there to finish
-    (killed mid-batch); returns how many. Trials of live processes and other hosts are left."""
+    (killed mid-batch); returns how many. Trials of live processes and other hosts are left.
+
+    A trial names its process (user attributes host and pid) only once `_ask` has written them,
+    journal records after Optuna made it RUNNING: a process killed in between leaves a RUNNING
+    trial that names no process, or only its host. Such a trial is failed when the processes that
+    asked for trials of the study (`ASKER_ATTR`) are all of this host and gone; while one of them
+    may be alive, it may be between those records itself, and the trial is left to a later run."""
     optuna = _optuna()
+    askers = [(owner.get("host"), owner.get("pid")) for attr, owner in study.user_attrs.items()
+              if attr.startswith(ASKER_ATTR + " ") and isinstance(owner, dict)]
+    askers_gone = bool(askers) and all(host == _HOST and not _alive(pid) for host, pid in askers)
     failed = 0
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        if t.user_attrs.get("host") != _HOST or _alive(t.user_attrs.get("pid")):
+        if "pid" in t.user_attrs:
+            if t.user_attrs.get("host") != _HOST or _alive(t.user_attrs["pid"]):
+                continue
+        elif not askers_gone:
             continue
         _mark_interrupted(study, t)
         failed += 1
@@ -267,6 +282,9 @@ def run_studies(runs, key: TuneKey, arch: str, *, trials: int, timeout: float | 
     states = []
     for study, objective, progress in runs:
         fail_interrupted(study)
+        # Named before any ask, so that a trial this process leaves naming no one (killed between
+        # Optuna's ask and `_ask`'s records) is judged by whether this process is alive.
+        study.set_user_attr(f"{ASKER_ATTR} {_HOST} {os.getpid()}", dict(host=_HOST, pid=os.getpid()))
         states.append(_Searching(study, objective, progress, _Clock(study)))
         states[-1].clock.add("compile", 0.0)  # a phase of every search, even one that never waits
     if not states:
@@ -349,6 +367,8 @@ def _ask(study, key: TuneKey, arch: str, count: int) -> list:
     optuna = _optuna()
     asked = []
     for _ in range(count):
+        # RUNNING in the storage from here, but naming its process only from the records below
+        # (a kill in between: see `fail_interrupted`).
         trial = study.ask()
         trial.set_user_attr("host", _HOST)
         trial.set_user_attr("pid", os.getpid())

@@ -31,8 +31,8 @@ from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_pl
                    span_plan, wants_packed_heads, whole_row_ctas)
 from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
-from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS, UnitPlan, choose_kv_splits,
-                         may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
+from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS, CostModel, UnitPlan,
+                         choose_kv_splits, may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -121,6 +121,11 @@ class DecodeAttention:
     else the built-in heuristic; ``tuned=False`` keeps the built-in heuristic. ``tuned_source``
     says which table was found (None: none), ``tuned_entry`` which entry the last plan used.
 
+    ``unit_costs`` (`work_units.CostModel`) is the cost model the work-unit planner plans with
+    (ragged batches routed to units, and ``plan(variant='units')``); None takes the costs tuned for
+    this GPU when its table holds them (``splitkv-gen --tune --unit-costs``) and ``tuned`` is True,
+    else the planner's built-in priors. ``unit_costs_source`` says which table they came from.
+
     ``page_size`` (None: contiguous caches ``[B, L, Hkv, D]``): run() reads paged caches of pages of
     that many tokens, ``kv_layout`` 'NHD' ``[num_pages, page_size, Hkv, D]`` or 'HND'
     ``[num_pages, Hkv, page_size, D]``, through the ``block_table`` given to plan().
@@ -134,7 +139,7 @@ class DecodeAttention:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: str = "bf16",
                  kv_dtype: str = "bf16", sm_scale: float | None = None, spec: KernelSpec | None = None,
                  dense_spec: KernelSpec | None = None, device: int | None = None, page_size: int | None = None,
-                 kv_layout: str = "NHD", tuned: bool = True):
+                 kv_layout: str = "NHD", tuned: bool = True, unit_costs: CostModel | None = None):
         import cupy
 
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -188,6 +193,13 @@ class DecodeAttention:
             self._tuned = lookup.find(self.arch, gpu_name(self.device), key)
         self.tuned_source = self._tuned.source if self._tuned else None
         self.tuned_entry = None
+        if unit_costs is not None and not isinstance(unit_costs, CostModel):
+            raise TypeError(f"unit_costs: expected a splitkv.work_units.CostModel or None, got {unit_costs!r}")
+        self.unit_costs, self.unit_costs_source = unit_costs, None
+        if unit_costs is None and tuned:
+            measured = lookup.unit_costs(self.arch, gpu_name(self.device))
+            if measured is not None:
+                self.unit_costs, self.unit_costs_source = measured.costs, f"tuned for this GPU ({measured.date})"
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
@@ -469,11 +481,13 @@ class DecodeAttention:
             return None
         slots = self.num_sms * ctas_per_sm
         per_split = plan.tokens_per_split if plan.variant == "split" else max(max_planned, 1)
-        if not may_route_to_units_unchecked(planned, max_planned, self.num_kv_heads, per_split, slots):  # in O(batch)
+        costs = self.unit_costs
+        if not may_route_to_units_unchecked(planned, max_planned, self.num_kv_heads, per_split, slots,
+                                            costs):  # in O(batch)
             return None
-        units = choose_kv_splits(planned, self.num_kv_heads, block_size=self._unit_block, slots=slots)
-        split_cost = split_plan_makespan(planned, self.num_kv_heads, per_split, slots)
-        return units if split_cost > ROUTE_FACTOR * predicted_makespan(units, planned) else None
+        units = choose_kv_splits(planned, self.num_kv_heads, block_size=self._unit_block, slots=slots, costs=costs)
+        split_cost = split_plan_makespan(planned, self.num_kv_heads, per_split, slots, costs)
+        return units if split_cost > ROUTE_FACTOR * predicted_makespan(units, planned, costs) else None
 
     @property
     def _unit_block(self) -> int:
@@ -488,7 +502,8 @@ class DecodeAttention:
         decode_fn, compiled = self._load(spec)
         if plan is None:
             slots = self.num_sms * resident_ctas_per_sm(spec, compiled.registers)
-            plan = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots)
+            plan = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots,
+                                    costs=self.unit_costs)
         rows = lens.size * self.num_kv_heads
         static = max_units is not None
         if static:

@@ -71,6 +71,13 @@ class CostModel:
         _positive_int("max_ways", self.max_ways)
 
 
+    def as_dict(self) -> dict:
+        """The fields by name (`COST_FIELDS`), as a tuned table holds them; ``CostModel(**d)`` reads them back."""
+        return {name: getattr(self, name) for name in COST_FIELDS}
+
+
+#: CostModel's fields, in the order a tuned table lists them (`splitkv.autotune.tables.UnitCosts`).
+COST_FIELDS = ("unit_overhead", "merge_fixed", "merge_per_partial", "threshold", "max_ways")
 #: The default costs, built once (a CostModel validates itself, so building one per plan costs µs).
 _DEFAULT_COSTS = CostModel()
 

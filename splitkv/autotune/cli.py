@@ -87,6 +87,10 @@ def add_arguments(p) -> None:
     g.add_argument("--iters", type=int, default=DEFAULT_ITERS, metavar="N",
                    help=f"timed calls per measurement, twice as many when confirming (default {DEFAULT_ITERS})")
     g.add_argument("--seed", type=int, default=0, help="sampler and input seed (default 0)")
+    g.add_argument("--unit-costs", action="store_true",
+                   help="tune the work-unit planner's costs for this GPU (unit overhead, merge costs, split "
+                        "threshold) on ragged batches, instead of the kernel keys; --trials counts the distinct "
+                        "plans measured; writes the table's unit_costs")
     g.add_argument("--cost-model", action="store_true",
                    help="score candidates with the cost model instead of the GPU (a dry run: figures are "
                         "predictions, and no table is written unless --out is given)")
@@ -123,6 +127,11 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
         return 2
     if args.report_from is not None:
         return _report_from(args, arch, set(keys), {b.name for b in buckets})
+    if args.unit_costs:
+        for flag, given in (("--cost-model", args.cost_model), ("--devices", bool(devices)),
+                            ("--exhaustive", args.exhaustive), ("--report", args.report is not None)):
+            if given:
+                parser.error(f"{flag} does not go with --unit-costs (one short search on the current GPU)")
     if workers and not args.cost_model:  # this process confirms the winners on the first listed GPU
         import cupy
 
@@ -134,6 +143,8 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     if problem:
         print(f"splitkv-gen: {problem}", file=sys.stderr)
         return 2
+    if args.unit_costs:
+        return _tune_unit_costs(args, arch, gpu)
     args.storage_handle = search.make_storage(args.storage)  # one handle: an in-memory study lives in it
     print(f"tuning {len(keys)} keys x {len(buckets)} buckets = {len(keys) * len(buckets)} studies of "
           f"{args.trials} trials on {gpu['name']} ({arch})", file=sys.stderr)
@@ -429,6 +440,44 @@ def _write(args, arch, gpu, entries) -> None:
     except (OSError, tables.TableError) as e:
         raise _TableUnwritable(f"cannot write the table {path}: {e}; give a writable folder with --out (the "
                                f"trials are kept in --storage, if one was given)") from e
+
+
+def _tune_unit_costs(args, arch, gpu) -> int:
+    """``--unit-costs``: search the work-unit planner's costs on this GPU (`unit_costs`), print what
+    was kept against the built-in costs per workload, and merge them into the table."""
+    from . import tables, unit_costs
+    from .objective import ContextLost
+
+    print(f"tuning the work-unit planner's costs on {gpu['name']} ({arch}): {len(unit_costs.WORKLOADS)} "
+          f"workloads, {args.trials} distinct plans at most", file=sys.stderr)
+    measure = unit_costs.GpuMeasure(iters=args.iters, seed=args.seed)
+    try:
+        outcome = unit_costs.search(measure, measure.plans, trials=args.trials, seed=args.seed)
+    except ContextLost as e:
+        return _context_lost(e)
+    except RuntimeError as e:
+        print(f"splitkv-gen: {e}", file=sys.stderr)
+        return 1
+    finally:
+        measure.close()
+    print(f"{'workload':24s} {'built-in µs':>12s} {'tuned µs':>9s}")
+    for name, (tuned, prior) in outcome.workloads_us.items():
+        print(f"{name:24s} {prior:12.2f} {tuned:9.2f}")
+    kept = "the built-in costs" if outcome.costs == unit_costs.CostModel() else "tuned costs"
+    print(f"geometric mean: {outcome.default_us:.2f} µs built-in, {outcome.tuned_us:.2f} µs with {kept}: "
+          f"{outcome.costs.as_dict()}")
+    result = tables.UnitCosts(outcome.costs, outcome.tuned_us, outcome.default_us, outcome.trials, tables.today(),
+                              tuple(name for name, _ in unit_costs.WORKLOADS))
+    path = _table_path(args, arch, gpu)
+    if path is None:
+        return 0
+    try:
+        tables.save(path, _header(arch, gpu), [], unit_costs=result)
+    except (OSError, tables.TableError) as e:
+        print(f"splitkv-gen: cannot write the table {path}: {e}; give a writable folder with --out", file=sys.stderr)
+        return 1
+    print(f"wrote unit_costs to {path}", file=sys.stderr)
+    return 0
 
 
 def _context_lost(e) -> int:

@@ -108,6 +108,22 @@ def find(arch: str, gpu: str, key: TuneKey) -> TunedChoices | None:
     return None
 
 
+def unit_costs(arch: str, gpu: str) -> tables.UnitCosts | None:
+    """The work-unit planner's costs measured for this GPU (`tables.UnitCosts`): those of the first
+    table, in the order of the module notes, that holds them (a cost-model table only as the GPU's
+    own), or None: the planner's built-in priors."""
+    arch = parse_arch(arch)
+    for path, why in candidate_files(arch, gpu):
+        table = read_table(path)
+        if table is None or table.arch != arch or (why == "same arch" and table.gpu == COST_MODEL_GPU):
+            continue
+        if table.unit_costs is not None:
+            _log_once(("unit costs", path), f"splitkv: the work-unit planner on {gpu} uses the costs of {path} "
+                                            f"({why}: {table.gpu})")
+            return table.unit_costs
+    return None
+
+
 @functools.lru_cache(maxsize=256)  # plan() asks on every call: the heuristic's specs take ~0.1 ms to build
 def programs(spec: KernelSpec | None, arch: str, key: TuneKey) -> tuple[KernelSpec, KernelSpec, bool]:
     """(split program, dense program, dense only) for a tuned entry's spec (None: the built-in choice).

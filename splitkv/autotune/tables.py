@@ -22,8 +22,17 @@
       plan: "split: B=1, 16 x 2048 tokens ..."  # how the winner planned the bucket (optional)
       planner: short-rows       # the split-count rules it was measured under (absent: waves)
       exhaustive: {best_us: 37.8, points: 252, trials_to_within_3pct: 17}   # when it was run
+    unit_costs:                 # optional: the work-unit planner's costs for this GPU
+      costs: {unit_overhead: 64, merge_fixed: 128, merge_per_partial: 16, threshold: 0.03, max_ways: 8}
+      tuned_us: 31.2            # geometric mean of the workloads' medians under these costs
+      default_us: 31.9          # the same under the built-in costs, same run
+      trials: 40
+      date: "2026-11-30"
+      workloads: ["1 x 6096", "3 x 4096", ...]
 
-``spec`` holds every KernelSpec field but the arch and the key's own; ``spec: null`` says the
+``unit_costs`` (`UnitCosts`, from `splitkv-gen --tune --unit-costs`) holds the work-unit planner's
+cost model measured on this GPU (`splitkv.work_units.CostModel`), which the runtime plans units with;
+without it the planner's built-in priors serve. ``spec`` holds every KernelSpec field but the arch and the key's own; ``spec: null`` says the
 built-in choice was measured best, and the runtime keeps it. ``planner`` names the planner's
 split-count rules the entry was measured under (`PLANNERS`): the runtime plans a tuned program by
 those rules, so it launches what was measured. Entries are sorted by key and
@@ -44,6 +53,7 @@ from pathlib import Path
 import yaml
 
 from ..spec import KernelSpec, parse_arch
+from ..work_units import COST_FIELDS, CostModel
 from .keys import Bucket, TuneKey, gpu_file_stem
 
 SCHEMA = 1
@@ -145,11 +155,49 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class UnitCosts:
+    """The work-unit planner's costs measured for a GPU, with the figures that chose them: the
+    geometric mean of the workloads' median µs under ``costs`` and under the built-in costs, in the
+    same run (``costs`` equal to the built-in ones when no candidate beat them)."""
+
+    costs: CostModel
+    tuned_us: float
+    default_us: float
+    trials: int
+    date: str
+    workloads: tuple
+
+    def to_dict(self) -> dict:
+        return dict(costs=self.costs.as_dict(), tuned_us=_round(self.tuned_us), default_us=_round(self.default_us),
+                    trials=self.trials, date=self.date, workloads=list(self.workloads))
+
+    @classmethod
+    def from_dict(cls, data) -> "UnitCosts":
+        data = _mapping(data, "unit_costs")
+        unknown = set(data) - {"costs", "tuned_us", "default_us", "trials", "date", "workloads"}
+        if unknown:
+            raise ValueError(f"unit_costs: unknown fields {sorted(unknown)}")
+        costs = _mapping(data.get("costs"), "unit_costs.costs")
+        if set(costs) != set(COST_FIELDS):
+            raise ValueError(f"unit_costs.costs: expected the fields {list(COST_FIELDS)}, got {sorted(costs)}")
+        try:
+            model = CostModel(**costs)  # validates each value
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"unit_costs.costs: {e}") from None
+        workloads = data.get("workloads") or []
+        if not isinstance(workloads, list):
+            raise ValueError("unit_costs.workloads: expected a list of workload names")
+        return cls(model, float(data["tuned_us"]), float(data["default_us"]), int(data.get("trials", 0)),
+                   str(data.get("date", "")), tuple(str(w) for w in workloads))
+
+
+@dataclass(frozen=True)
 class Table:
-    """A header (see the module notes) and entries."""
+    """A header (see the module notes), entries and, optionally, the work-unit planner's costs."""
 
     header: dict
     entries: tuple
+    unit_costs: UnitCosts | None = None
 
     @property
     def arch(self) -> str:
@@ -203,7 +251,7 @@ def parse(data) -> Table:
     missing = set(HEADER_FIELDS) - set(data)
     if missing:
         raise ValueError(f"header lacks {sorted(missing)}")
-    unknown = set(data) - set(HEADER_FIELDS) - {"entries"}
+    unknown = set(data) - set(HEADER_FIELDS) - {"entries", "unit_costs"}
     if unknown:
         raise ValueError(f"unknown header fields {sorted(unknown)}")
     header = {k: data[k] for k in HEADER_FIELDS}
@@ -222,26 +270,32 @@ def parse(data) -> Table:
         if (e.key, e.bucket.name) in seen:
             raise ValueError(f"two entries for {e.key.label} {e.bucket.name}")
         seen.add((e.key, e.bucket.name))
-    return Table(header, tuple(sorted(parsed, key=Entry.sort_key)))
+    unit_costs = None if data.get("unit_costs") is None else UnitCosts.from_dict(data["unit_costs"])
+    return Table(header, tuple(sorted(parsed, key=Entry.sort_key)), unit_costs)
 
 
 def dump(table: Table) -> str:
     data = dict(table.header)
+    if table.unit_costs is not None:
+        data["unit_costs"] = table.unit_costs.to_dict()
     data["entries"] = [e.to_dict() for e in sorted(table.entries, key=Entry.sort_key)]
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)
 
 
-def merge(old: Table | None, header: dict, entries) -> Table:
-    """``old``'s entries with ``entries`` in place of those of the same (key, bucket), under ``header``."""
+def merge(old: Table | None, header: dict, entries, unit_costs: UnitCosts | None = None) -> Table:
+    """``old``'s entries with ``entries`` in place of those of the same (key, bucket), under ``header``;
+    ``unit_costs`` replaces old's when given."""
     merged = {(e.key, e.bucket.name): e for e in (old.entries if old else ())}
     merged.update({(e.key, e.bucket.name): e for e in entries})
-    return Table(header, tuple(sorted(merged.values(), key=Entry.sort_key)))
+    if unit_costs is None and old is not None:
+        unit_costs = old.unit_costs
+    return Table(header, tuple(sorted(merged.values(), key=Entry.sort_key)), unit_costs)
 
 
-def save(path: Path, header: dict, entries) -> Table:
-    """Merge ``entries`` into the table at ``path`` (created with its folder if need be) and write
-    it atomically; returns what was written. Refuses (TableError) to replace a file that is not a
-    table of the same GPU and arch."""
+def save(path: Path, header: dict, entries, unit_costs: UnitCosts | None = None) -> Table:
+    """Merge ``entries`` (and ``unit_costs``, when given) into the table at ``path`` (created with its
+    folder if need be) and write it atomically; returns what was written. Refuses (TableError) to
+    replace a file that is not a table of the same GPU and arch."""
     path = Path(path)
     arch = parse_arch(header["arch"])
     for e in entries:  # what load() would refuse must not reach the file
@@ -254,7 +308,7 @@ def save(path: Path, header: dict, entries) -> Table:
         old = load(path) if path.exists() else None
         if old is not None and (old.gpu, old.arch) != (header["gpu"], parse_arch(header["arch"])):
             raise TableError(f"{path}: holds {old.gpu} ({old.arch}), not {header['gpu']} ({header['arch']})")
-        table = merge(old, header, entries)
+        table = merge(old, header, entries, unit_costs)
         from ..codegen.compile import atomic_write  # here: `splitkv-gen --help` imports this module, not codegen
 
         atomic_write(path, dump(table).encode())

@@ -64,6 +64,44 @@ def test_a_short_tuning_run_writes_a_table_the_runtime_uses(tmp_path, monkeypatc
     lookup.forget()
 
 
+def test_a_short_unit_costs_run_writes_costs_the_runtime_plans_with(tmp_path, monkeypatch, capsys):
+    """`splitkv-gen --tune --unit-costs` with 4 distinct plans: every workload's plan is checked and
+    timed, the table holds the costs with both figures, and a DecodeAttention built afterwards plans
+    its units with them and runs them correctly on a ragged batch."""
+    from splitkv.autotune import unit_costs
+    from splitkv.work_units import choose_kv_splits
+
+    out = tmp_path / "tables"
+    rc = cli.main(["--arch", _arch(), "--tune", "--unit-costs", "--trials", "4", "--iters", "5", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    for name, _ in unit_costs.WORKLOADS:
+        assert name in captured.out
+    path = tables.table_path(out, _arch(), gpu_name(cupy.cuda.Device().id))
+    result = tables.load(path).unit_costs
+    assert result is not None and 1 <= result.trials <= 4
+    assert 0 < result.tuned_us <= result.default_us
+    assert result.workloads == tuple(name for name, _ in unit_costs.WORKLOADS)
+
+    monkeypatch.setenv(lookup.ENV_DIR, str(out))
+    lookup.forget()
+    attn = DecodeAttention(32, 8, 128)
+    assert attn.unit_costs == result.costs and attn.unit_costs_source is not None
+    lens = [6096 - 37, 515, 3000]
+    plan = attn.plan(lens, variant="units")
+    expected = choose_kv_splits(lens, 8, block_size=plan.block_size, slots=plan.slots, costs=result.costs)
+    assert (plan.units == expected.units).all() and (plan.merges == expected.merges).all()
+    seed = int(_rng("unit costs", tuple(lens)).integers(2**31))
+    q, q64 = random_values((3, 32, 128), "bf16", seed)
+    k, k64 = random_values((3, max(lens), 8, 128), "bf16", seed + 1)
+    v, v64 = random_values((3, max(lens), 8, 128), "bf16", seed + 2)
+    result_out = poisoned((3, 32, 128), "bf16")
+    attn.run(q, k, v, out=result_out)
+    ref_out, ref_lse = reference(q64, k64, v64, lens, 1.0 / math.sqrt(128))
+    check_close(result_out, None, ref_out, ref_lse, lens, "bf16", f"unit costs {attn.plan_info}")
+    lookup.forget()
+
+
 def test_a_winners_last_check_runs_on_the_gpu():
     """verify() passes a correct split program (as planned and as its units program) and a
     correct dense program on a ragged batch, the objective's figures are sane, and runs() names

@@ -37,7 +37,7 @@ BUFFER_HEADER = ("num_units", "num_merges", "num_partials", "block_size")
 
 #: Fixed cost of one unit, in tokens of one K/V head streamed by one CTA: taking the unit, loading
 #: its Q, combining the warps and writing the result. A prior (about 1 µs on an H200 at D=128 bf16,
-#: where one CTA streams ~64 tokens a µs), for the autotuner to set per GPU.
+#: where one CTA streams ~64 tokens a µs); `splitkv-gen --tune --unit-costs` measures them per GPU.
 UNIT_OVERHEAD_TOKENS = 64
 #: Cost of the merge program, launched only when a row is split: a fixed part (its launch and tail)
 #: and a part per partial it reads back, spread over the slots; in tokens as above. Priors as well.

@@ -682,5 +682,5 @@ def test_timeline_group_ends_gives_each_groups_last_stream_end():
     line = timeline.group_ends(stamps, [[0, 1, 2, 3], [4, 5, 6, 7]])
     # group 0: ends 7.0 and 8.0 -> median 7.5; group 1: 20.0 and 12.0 -> 16.0
     assert line == "  streamed by SM group (CTAs@last end, µs): 0: 2@7.5, 1: 2@16.0"
-    stamps[1, 3, 1] = 0  # a CTA that never streamed is not counted
-    assert "1: 2@16.0" in timeline.group_ends(stamps, [[0, 1, 2, 3], [4, 5, 6, 7]])
+    stamps[:, 3, 1] = 0  # a CTA that never streamed is not counted: group 1 ran one CTA in each sample
+    assert "1: 1@16.0" in timeline.group_ends(stamps, [[0, 1, 2, 3], [4, 5, 6, 7]])

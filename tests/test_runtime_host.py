@@ -82,14 +82,14 @@ def test_outputs_for_foreign_arrays(monkeypatch, typestr, lse, expected):
     assert device == 0  # a bare interface names no device: the current one
 
 
-@pytest.mark.parametrize("changes", [{}, {"cluster": 1, "span_rows": True, "kv_copy": "cp_async"},
-                                     {"kv_copy": "cp_async", "steal_tiles": 4}, {"cluster": 8}])
-def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, changes):
-    # The dense program derived from a caller's spec drops the split-only choices (clusters,
-    # stolen tiles, CTAs spanning rows) and keeps the CTA shape.
+def _fake_device(monkeypatch, tmp_path):
+    """CuPy's device as a 132-SM sm_90 GPU named 'NVIDIA Fake GPU' with no tuned tables (none
+    shipped, none in a user folder), so that a DecodeAttention can be built on the host; returns
+    the device class."""
     import cupy
 
-    from splitkv import DecodeAttention, KernelSpec
+    from splitkv import runtime
+    from splitkv.autotune import lookup
 
     class Device:
         id = 0
@@ -97,6 +97,21 @@ def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, changes):
         attributes = {"MultiProcessorCount": 132}
 
     monkeypatch.setattr(cupy.cuda, "Device", lambda *a: Device())
+    monkeypatch.setattr(runtime, "gpu_name", lambda device: "NVIDIA Fake GPU")
+    monkeypatch.setattr(lookup, "shipped_dir", lambda: tmp_path / "shipped")
+    monkeypatch.setenv(lookup.ENV_DIR, str(tmp_path / "tuned"))
+    lookup.forget()
+    return Device
+
+
+@pytest.mark.parametrize("changes", [{}, {"cluster": 1, "span_rows": True, "kv_copy": "cp_async"},
+                                     {"kv_copy": "cp_async", "steal_tiles": 4}, {"cluster": 8}])
+def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, tmp_path, changes):
+    # The dense program derived from a caller's spec drops the split-only choices (clusters,
+    # stolen tiles, CTAs spanning rows) and keeps the CTA shape.
+    from splitkv import DecodeAttention, KernelSpec
+
+    _fake_device(monkeypatch, tmp_path)
     spec = KernelSpec(arch="sm_90", head_dim=128, group_size=4).replace(**changes)
     attn = DecodeAttention(32, 8, 128, spec=spec)
     assert attn.split_spec == spec
@@ -105,7 +120,7 @@ def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, changes):
     assert (attn.dense_spec.warps, attn.dense_spec.tile_tokens) == (spec.warps, spec.tile_tokens)
 
 
-def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
+def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch, tmp_path):
     # run() with K/V through tensor maps, on the host only: the launch gets K's and V's maps as its
     # last two arguments, pointing at bytes that hold while the launch is made; a second call over
     # the same caches encodes nothing, another cache gets its own maps.
@@ -120,10 +135,7 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
     from splitkv import DecodeAttention, KernelSpec
     from splitkv.plan import SplitPlan
 
-    class Device:
-        id = 0
-        compute_capability = "90"
-        attributes = {"MultiProcessorCount": 132}
+    Device = _fake_device(monkeypatch, tmp_path)
 
     class FakeCAI:
         def __init__(self, shape, typestr, ptr):
@@ -138,7 +150,6 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
         buffer[:8] = np.frombuffer(np.uint64(ptr).tobytes(), dtype=np.uint8)  # which cache it maps
         return buffer
 
-    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: Device())
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: Device.id)  # already on its device
     monkeypatch.setattr(tensor_map, "encode", fake_encode)
     monkeypatch.setattr(streams, "use_stream", lambda ptr: contextlib.nullcontext())
@@ -172,18 +183,11 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch):
     assert encoded == views
 
 
-def test_dense_spec_overrides_the_dense_program_alone(monkeypatch):
-    import cupy
-
+def test_dense_spec_overrides_the_dense_program_alone(monkeypatch, tmp_path):
     from splitkv import DecodeAttention, KernelSpec
     from splitkv.heuristics import default_spec
 
-    class Device:
-        id = 0
-        compute_capability = "90"
-        attributes = {"MultiProcessorCount": 132}
-
-    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: Device())
+    _fake_device(monkeypatch, tmp_path)
     dense = KernelSpec(arch="sm_80", head_dim=128, group_size=4, variant="split", warps=2, tile_tokens=16,
                        chunk_size=32, stages=4, cluster=1)
     attn = DecodeAttention(32, 8, 128, dense_spec=dense)

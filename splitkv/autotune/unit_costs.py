@@ -208,8 +208,10 @@ class GpuMeasure:
                     error = inp.error()
                     if not error <= TOLERANCE:
                         raise TrialFailed(f"{name}: wrong result, max error {error:.3g} of max |ref|")
-                    times = self.harness.time(lambda: attn.run(inp.q, inp.k, inp.v, out=inp.out),
-                                              self.iters * iters_scale)
+                    def call(attn=attn, inp=inp):  # this iteration's plan and inputs
+                        attn.run(inp.q, inp.k, inp.v, out=inp.out)
+
+                    times = self.harness.time(call, self.iters * iters_scale)
                 except TrialFailed:
                     raise
                 except Exception as e:  # noqa: BLE001 - a plan that cannot run is a failed candidate

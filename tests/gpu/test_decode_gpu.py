@@ -32,6 +32,12 @@ def _rng(*key) -> np.random.Generator:
     return np.random.default_rng([_SEED, *[zlib.crc32(str(k).encode()) for k in key]])
 
 
+def fresh_seed(n: int) -> int:
+    """Seed ``n`` of this run: a test's numbered inputs are a new draw every run (as `_rng`'s are;
+    SPLITKV_TEST_SEED replays a run)."""
+    return int(_rng("numbered seed", n).integers(2**31))
+
+
 # ---- random inputs as the kernel sees them ---------------------------------------------------------
 def random_values(shape, dtype: str, seed: int, scale: float = 1.0):
     """(device array in the kernel's storage type, float64 device copy of the exact values)."""
@@ -249,8 +255,8 @@ def test_tensor_maps_follow_the_cache():
     spec = default_spec("sm_90", dim, group).replace(kv_copy="tma")
     attn = DecodeAttention(2 * group, 2, dim, spec=spec)
     attn.plan(lens, variant="split", num_splits=4)
-    q, q64 = random_values((2, 2 * group, dim), "bf16", 51)
-    caches = [tuple(random_values((2, 2048, 2, dim), "bf16", 52 + 2 * i + j) for j in range(2)) for i in range(2)]
+    q, q64 = random_values((2, 2 * group, dim), "bf16", fresh_seed(51))
+    caches = [tuple(random_values((2, 2048, 2, dim), "bf16", fresh_seed(52 + 2 * i + j)) for j in range(2)) for i in range(2)]
     for i in (0, 1, 0):
         (k, k64), (v, v64) = caches[i]
         out = poisoned((2, 2 * group, dim), "bf16")
@@ -406,9 +412,9 @@ def test_cluster_merge_is_used_where_it_fits():
 def test_q_and_kv_of_different_types(q_dtype, kv_dtype):
     # Q is converted to the K/V type for the MMAs; the output comes back in Q's type.
     lens = [3000, 1, 0, 777]
-    q, q64 = random_values((4, 8, 128), q_dtype, 61)
-    k, k64 = random_values((4, 3000, 2, 128), kv_dtype, 62)
-    v, v64 = random_values((4, 3000, 2, 128), kv_dtype, 63)
+    q, q64 = random_values((4, 8, 128), q_dtype, fresh_seed(61))
+    k, k64 = random_values((4, 3000, 2, 128), kv_dtype, fresh_seed(62))
+    v, v64 = random_values((4, 3000, 2, 128), kv_dtype, fresh_seed(63))
     for variant, splits in (("dense", None), ("split", 6)):
         attn = DecodeAttention(8, 2, 128, q_dtype=q_dtype, kv_dtype=kv_dtype)
         attn.plan(lens, variant=variant, num_splits=splits)
@@ -426,9 +432,9 @@ def test_fp16():
 
 
 def test_return_lse_and_default_path():
-    q, q64 = random_values((3, 8, 128), "bf16", 11)
-    k, k64 = random_values((3, 2000, 2, 128), "bf16", 12)
-    v, v64 = random_values((3, 2000, 2, 128), "bf16", 13)
+    q, q64 = random_values((3, 8, 128), "bf16", fresh_seed(11))
+    k, k64 = random_values((3, 2000, 2, 128), "bf16", fresh_seed(12))
+    v, v64 = random_values((3, 2000, 2, 128), "bf16", fresh_seed(13))
     lens = [2000, 1, 999]
     out, lse = splitkv.decode(q, k, v, lens, return_lse=True)
     ref_out, ref_lse = reference(q64, k64, v64, lens, 1 / math.sqrt(128))
@@ -445,7 +451,7 @@ def test_return_lse_and_default_path():
 def test_empty_cache_and_empty_batch():
     # k.shape[1] == 0 (every length 0): zeros and lse = -inf, through the tensor maps' stand-in tile
     # on sm_90+; B = 0: empty results and no launch.
-    q, _ = random_values((2, 8, 128), "bf16", 21)
+    q, _ = random_values((2, 8, 128), "bf16", fresh_seed(21))
     k = cupy.zeros((2, 0, 2, 128), dtype=cupy.uint16)
     out = poisoned((2, 8, 128), "bf16")
     splitkv.decode(q, k, k, out=out)
@@ -473,9 +479,9 @@ def test_cuda_graph_capture_and_replay(changes, num_kv, lens, variant):
     # K/V head the 8000-token row spans several clusters, so the merge counter is reset by the
     # last CTA of a two-level merge; with span_rows CTAs cross rows and count for two rows.
     group, dim = 4, 128
-    q, q64 = random_values((4, num_kv * group, dim), "bf16", 21)
-    k, k64 = random_values((4, 8192, num_kv, dim), "bf16", 22)
-    v, v64 = random_values((4, 8192, num_kv, dim), "bf16", 23)
+    q, q64 = random_values((4, num_kv * group, dim), "bf16", fresh_seed(21))
+    k, k64 = random_values((4, 8192, num_kv, dim), "bf16", fresh_seed(22))
+    v, v64 = random_values((4, 8192, num_kv, dim), "bf16", fresh_seed(23))
     device_lens = cupy.asarray(lens, dtype=cupy.int32)
     spec = default_spec("sm_90", dim, group).replace(**changes)
     attn = DecodeAttention(num_kv * group, num_kv, dim, spec=spec)
@@ -552,9 +558,9 @@ class DLPackOnly:
 
 @pytest.mark.parametrize("wrap", [InterfaceOnly, DLPackOnly])
 def test_foreign_arrays_without_copies(wrap):
-    q, q64 = random_values((2, 8, 128), "fp16", 51)
-    k, k64 = random_values((2, 3000, 2, 128), "fp16", 52)
-    v, v64 = random_values((2, 3000, 2, 128), "fp16", 53)
+    q, q64 = random_values((2, 8, 128), "fp16", fresh_seed(51))
+    k, k64 = random_values((2, 3000, 2, 128), "fp16", fresh_seed(52))
+    v, v64 = random_values((2, 3000, 2, 128), "fp16", fresh_seed(53))
     lens = [3000, 1234]
     out, lse = splitkv.decode(wrap(q), wrap(k), wrap(v), lens, return_lse=True)
     assert isinstance(out, cupy.ndarray) and out.shape == q.shape and out.dtype == cupy.float16
@@ -568,8 +574,8 @@ def test_foreign_arrays_without_copies(wrap):
 
 
 def test_bad_inputs_raise():
-    q, _ = random_values((2, 8, 128), "bf16", 1)
-    k, _ = random_values((2, 100, 2, 128), "bf16", 2)
+    q, _ = random_values((2, 8, 128), "bf16", fresh_seed(1))
+    k, _ = random_values((2, 100, 2, 128), "bf16", fresh_seed(2))
     with pytest.raises(ValueError, match="seq_lens"):
         splitkv.decode(q, k, k, [101, 3])
     with pytest.raises(ValueError, match="k"):
@@ -581,8 +587,8 @@ def test_bad_inputs_raise():
 def test_layout_cache_still_checks_alignment_and_foreign_lse():
     # After one validated call, a misaligned out, or an lse seen only through
     # __cuda_array_interface__ with the wrong size, must still be refused.
-    q, _ = random_values((2, 8, 128), "bf16", 3)
-    k, _ = random_values((2, 300, 2, 128), "bf16", 4)
+    q, _ = random_values((2, 8, 128), "bf16", fresh_seed(3))
+    k, _ = random_values((2, 300, 2, 128), "bf16", fresh_seed(4))
     attn = DecodeAttention(8, 2, 128)
     attn.plan([300, 20])
     lse = cupy.empty((2, 8), cupy.float32)
@@ -597,9 +603,9 @@ def test_layout_cache_still_checks_alignment_and_foreign_lse():
 
 def test_lengths_may_grow_up_to_max_len():
     # A plan made with max_len covers lengths rewritten in place up to it (CUDA-graph replays).
-    q, q64 = random_values((1, 8, 128), "bf16", 5)
-    k, k64 = random_values((1, 8192, 2, 128), "bf16", 6)
-    v, v64 = random_values((1, 8192, 2, 128), "bf16", 7)
+    q, q64 = random_values((1, 8, 128), "bf16", fresh_seed(5))
+    k, k64 = random_values((1, 8192, 2, 128), "bf16", fresh_seed(6))
+    v, v64 = random_values((1, 8192, 2, 128), "bf16", fresh_seed(7))
     device_lens = cupy.asarray([1000], dtype=cupy.int32)
     attn = DecodeAttention(8, 2, 128)
     attn.plan(device_lens, max_len=8192)
@@ -634,9 +640,9 @@ def _busy(stream, ms: float = 100.0):
 def test_plan_and_run_on_different_streams_are_ordered():
     # plan() writes the lengths on one stream, run() launches on another: each must see the
     # other's work in call order, although a busy kernel holds back the stream that goes first.
-    q, q64 = random_values((2, 8, 128), "bf16", 61)
-    k, k64 = random_values((2, 4000, 2, 128), "bf16", 62)
-    v, v64 = random_values((2, 4000, 2, 128), "bf16", 63)
+    q, q64 = random_values((2, 8, 128), "bf16", fresh_seed(61))
+    k, k64 = random_values((2, 4000, 2, 128), "bf16", fresh_seed(62))
+    v, v64 = random_values((2, 4000, 2, 128), "bf16", fresh_seed(63))
     planner, runner = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()  # the inputs were written on the default stream
     attn = DecodeAttention(8, 2, 128)
@@ -679,10 +685,10 @@ def test_plan_and_run_on_different_streams_are_ordered():
 def test_run_waits_for_the_stream_an_interface_names():
     # An array seen only through __cuda_array_interface__ whose producer still writes it on its
     # own stream ('stream' in the interface): the kernel must read the finished values.
-    q_old, _ = random_values((2, 8, 128), "bf16", 71)
-    q_new, q64 = random_values((2, 8, 128), "bf16", 72)
-    k, k64 = random_values((2, 3000, 2, 128), "bf16", 73)
-    v, v64 = random_values((2, 3000, 2, 128), "bf16", 74)
+    q_old, _ = random_values((2, 8, 128), "bf16", fresh_seed(71))
+    q_new, q64 = random_values((2, 8, 128), "bf16", fresh_seed(72))
+    k, k64 = random_values((2, 3000, 2, 128), "bf16", fresh_seed(73))
+    v, v64 = random_values((2, 3000, 2, 128), "bf16", fresh_seed(74))
     producer, runner = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()
     _busy(producer)

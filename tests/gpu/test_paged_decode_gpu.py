@@ -21,7 +21,7 @@ from splitkv import DecodeAttention, QuantizedKV  # noqa: E402
 from splitkv.heuristics import default_spec  # noqa: E402
 from splitkv.paged import paginate  # noqa: E402
 
-from test_decode_gpu import _rng, check_close, poisoned, random_values, reference  # noqa: E402
+from test_decode_gpu import _rng, check_close, fresh_seed, poisoned, random_values, reference, to_float64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -225,9 +225,10 @@ def test_graph_replay_after_new_lengths_and_pages():
 
 def test_bad_tables_are_refused_and_never_read_outside():
     head_dim, num_kv, page_size = 128, 2, 16
-    k, _ = random_values((10, page_size, num_kv, head_dim), "bf16", 1)
-    v, _ = random_values((10, page_size, num_kv, head_dim), "bf16", 2)
-    q, _ = random_values((2, 8, head_dim), "bf16", 3)
+    seed = int(_rng("bad tables").integers(2**31))
+    k, k64 = random_values((10, page_size, num_kv, head_dim), "bf16", seed)
+    v, v64 = random_values((10, page_size, num_kv, head_dim), "bf16", seed + 1)
+    q, q64 = random_values((2, 8, head_dim), "bf16", seed + 2)
     attn = DecodeAttention(8, num_kv, head_dim, page_size=page_size)
     good = np.array([[3, 4, 9], [0, 1, 2]], dtype=np.int32)
     with pytest.raises(ValueError, match="sequence 1 of 60 tokens needs 4 pages"):
@@ -246,18 +247,23 @@ def test_bad_tables_are_refused_and_never_read_outside():
     # Unchecked (validate=False): entries far outside the cache are clamped into it on the device.
     wild = cupy.asarray([[3, 1 << 30, -7], [0, 1, 2]], dtype=cupy.int32)
     attn.plan([40, 5], block_table=wild, validate=False)
-    out = attn.run(q, k, v)
+    out = poisoned(q.shape, "bf16")
+    attn.run(q, k, v, out=out)
     cupy.cuda.Device().synchronize()  # no fault
-    assert out.shape == q.shape
+    # Sequence 0 read clamped pages (whatever they hold, finite); sequence 1's table was sound: its
+    # 5 tokens are rows 0..4 of page 0.
+    assert bool(cupy.isfinite(to_float64(out[0], "bf16")).all())
+    ref_out, ref_lse = reference(q64[1:], k64[:1, :5], v64[:1, :5], [5], 1.0 / math.sqrt(head_dim))
+    check_close(out[1:], None, ref_out, ref_lse, [5], "bf16", "sound row beside a wild one")
 
 
 def test_one_shot_decode_and_torch():
     head_dim, group, num_kv, page_size = 128, 4, 2, 16
     lens = [300, 17]
     rng = np.random.default_rng(int(_rng("paged one-shot").integers(2**31)))
-    q, q64 = random_values((2, num_kv * group, head_dim), "bf16", 5)
-    k, k64 = random_values((2, 320, num_kv, head_dim), "bf16", 6)
-    v, v64 = random_values((2, 320, num_kv, head_dim), "bf16", 7)
+    q, q64 = random_values((2, num_kv * group, head_dim), "bf16", fresh_seed(5))
+    k, k64 = random_values((2, 320, num_kv, head_dim), "bf16", fresh_seed(6))
+    v, v64 = random_values((2, 320, num_kv, head_dim), "bf16", fresh_seed(7))
     order = rng.permutation(2 * 20)
     k_pages, table = paginate(cupy.asnumpy(k), page_size, "HND", order=order)
     v_pages, _ = paginate(cupy.asnumpy(v), page_size, "HND", order=order)

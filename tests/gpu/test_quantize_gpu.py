@@ -203,11 +203,15 @@ def test_append_in_a_cuda_graph_replays_for_new_positions():
     values, _ = quantize_reference(new, kv_format, [0.02, 0.3])
     for step in (7, 40, 63):
         positions[...] = cupy.asarray([step, 63 - step], cupy.int32)
+        cache.values[...] = _POISON  # each replay must write its rows, and only them
         cupy.cuda.Device().synchronize()
         graph.launch(stream)
         stream.synchronize()
         assert_bytes_equal(cache, values[0], None, np.s_[0, step:step + 1])
         assert_bytes_equal(cache, values[1], None, np.s_[1, 63 - step:64 - step])
+        written = np.zeros(cache.values.shape, bool)
+        written[0, step], written[1, 63 - step] = True, True
+        assert (host(cache.values)[~written] == _POISON).all()
     assert int(status.get()[0]) == 0
 
 

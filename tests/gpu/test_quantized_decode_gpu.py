@@ -21,7 +21,7 @@ import splitkv  # noqa: E402
 from splitkv import DecodeAttention, QuantizedKV  # noqa: E402
 from splitkv.heuristics import default_spec  # noqa: E402
 
-from test_decode_gpu import _rng, check_close, poisoned, random_values, reference, to_float64  # noqa: E402
+from test_decode_gpu import _rng, check_close, fresh_seed, poisoned, random_values, reference, to_float64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -162,7 +162,7 @@ def test_random_codes_over_the_format(kv_dtype, scale_codes):
     # products that are fp16 subnormals (E2M1 0.5 x 2^-14 x a block scale of 2^-9 is 2^-24).
     rng = _rng("codes", kv_dtype, str(scale_codes))
     lens, num_kv, group, dim = [3000, 17, 1024], 2, 4, 128
-    q, q64 = random_values((3, num_kv * group, dim), "bf16", 71, 0.05 if scale_codes is None else 1.0)
+    q, q64 = random_values((3, num_kv * group, dim), "bf16", fresh_seed(71), 0.05 if scale_codes is None else 1.0)
     kq = random_codes(kv_dtype, (3, 3000, num_kv, dim), rng, scale_codes)
     vq = random_codes(kv_dtype, (3, 3000, num_kv, dim), rng, scale_codes)
     for variant in ("dense", "split"):
@@ -188,8 +188,8 @@ def test_nan_codes(kv_dtype, variant):
     # NaN codes past the lengths never reach the output; inside a length they make their head's
     # outputs NaN (never silently finite), and only theirs.
     lens, num_kv, group, dim = [2000, 77], 2, 4, 128
-    q, q64 = random_values((2, num_kv * group, dim), "bf16", 81)
-    kq, vq, k64, v64, _, _ = quantized_inputs(kv_dtype, 2, 2048, num_kv, dim, 82)
+    q, q64 = random_values((2, num_kv * group, dim), "bf16", fresh_seed(81))
+    kq, vq, k64, v64, _, _ = quantized_inputs(kv_dtype, 2, 2048, num_kv, dim, fresh_seed(82))
     for cache in (kq, vq):
         for b, n in enumerate(lens):
             for t in range(n, 2048, 97):
@@ -217,8 +217,8 @@ def test_nan_codes(kv_dtype, variant):
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_cuda_graph_replays_read_new_scales(kv_dtype):
     num_kv, group, dim, lens = 2, 4, 128, [3000, 17, 5000]
-    q, q64 = random_values((3, num_kv * group, dim), "bf16", 91)
-    kq, vq, k64, v64, _, _ = quantized_inputs(kv_dtype, 3, 5000, num_kv, dim, 92)
+    q, q64 = random_values((3, num_kv * group, dim), "bf16", fresh_seed(91))
+    kq, vq, k64, v64, _, _ = quantized_inputs(kv_dtype, 3, 5000, num_kv, dim, fresh_seed(92))
     device_lens = cupy.asarray(lens, dtype=cupy.int32)
     attn = DecodeAttention(num_kv * group, num_kv, dim, kv_dtype=kv_dtype)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -260,8 +260,8 @@ def test_torch_caches_through_decode(kv_dtype):
 
 
 def test_mismatched_caches_are_refused():
-    q, _ = random_values((1, 8, 128), "bf16", 101)
-    k, _ = random_values((1, 256, 2, 128), "bf16", 102)
+    q, _ = random_values((1, 8, 128), "bf16", fresh_seed(101))
+    k, _ = random_values((1, 256, 2, 128), "bf16", fresh_seed(102))
     kq = splitkv.quantize_kv(k, "fp8_e4m3")
     k4 = splitkv.quantize_kv(k, "nvfp4")
     attn = DecodeAttention(8, 2, 128, kv_dtype="fp8_e4m3")

@@ -647,8 +647,15 @@ def test_plan_and_run_on_different_streams_are_ordered():
     cupy.cuda.Device().synchronize()  # the inputs were written on the default stream
     attn = DecodeAttention(8, 2, 128)
     lens_a, lens_b, lens_c = [4000, 4000], [1500, 3999], [2500, 10]
-    attn.plan(lens_a, stream=planner)
-    attn.run(q, k, v, stream=runner)  # warm: programs loaded, layout validated
+    # Warm: every kernel the guarded calls below launch has been launched once (the plans'
+    # programs, the poisoning fill, the busy kernel), and the layout validated. A kernel's first
+    # launch loads its module (CUDA's lazy loading), which can wait for the busy kernel and leave
+    # nothing to test: run alone, this test failed that way, and passed after other tests.
+    for lens in (lens_b, lens_c, lens_a):
+        attn.plan(lens, stream=planner)
+        attn.run(q, k, v, out=poisoned((2, 8, 128), "bf16"), stream=runner)
+    _busy(runner, 0.0)
+    cupy.cuda.Device().synchronize()
 
     # The run is held back: the next plan must not overwrite its lengths before it reads them.
     attn.plan(lens_a, stream=planner)

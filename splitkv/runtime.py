@@ -121,10 +121,13 @@ class DecodeAttention:
     else the built-in heuristic; ``tuned=False`` keeps the built-in heuristic. ``tuned_source``
     says which table was found (None: none), ``tuned_entry`` which entry the last plan used.
 
-    ``unit_costs`` (`work_units.CostModel`) is the cost model the work-unit planner plans with
-    (ragged batches routed to units, and ``plan(variant='units')``); None takes the costs tuned for
-    this GPU when its table holds them (``splitkv-gen --tune --unit-costs``) and ``tuned`` is True,
-    else the planner's built-in priors. ``unit_costs_source`` says which table they came from.
+    ``unit_costs`` (`work_units.CostModel`) is the cost model the work-unit planner plans units
+    with (``plan(variant='units')``, and ragged batches the default planner routes to units); None
+    takes the costs of the first table that holds them (`lookup.unit_costs`: this GPU's, else
+    another GPU's of the same arch; ``splitkv-gen --tune --unit-costs`` writes them) when ``tuned``
+    is True, else the planner's built-in priors. ``unit_costs_source`` names that table (None: no
+    table's). Whether a batch is routed to units is decided under the priors, which the routing
+    factor was measured with.
 
     ``page_size`` (None: contiguous caches ``[B, L, Hkv, D]``): run() reads paged caches of pages of
     that many tokens, ``kv_layout`` 'NHD' ``[num_pages, page_size, Hkv, D]`` or 'HND'
@@ -197,9 +200,10 @@ class DecodeAttention:
             raise TypeError(f"unit_costs: expected a splitkv.work_units.CostModel or None, got {unit_costs!r}")
         self.unit_costs, self.unit_costs_source = unit_costs, None
         if unit_costs is None and tuned:
-            measured = lookup.unit_costs(self.arch, gpu_name(self.device))
-            if measured is not None:
-                self.unit_costs, self.unit_costs_source = measured.costs, f"tuned for this GPU ({measured.date})"
+            found = lookup.unit_costs(self.arch, gpu_name(self.device))
+            if found is not None:
+                self.unit_costs, self.unit_costs_source = found[0].costs, found[1]
+        self._priors_plan_units = self.unit_costs is None or self.unit_costs == CostModel()
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
@@ -232,7 +236,8 @@ class DecodeAttention:
         ``variant='units'``: the work-unit planner (`work_units.choose_kv_splits`) and the units
         program, one CTA per unit in table order (longest first), split rows merged by the merge
         program; returns the `UnitPlan`. ``max_units`` fixes the tables' sizes (at least
-        `work_units.max_units` of the batch's rows, for any lengths): a later plan() of the same
+        ``work_units.max_units(rows, slots, attn.unit_costs)`` for the batch's rows, for any
+        lengths): a later plan() of the same
         batch and sizes then rewrites the tables in place, and a CUDA graph captured over run()
         replays with them (the merge program then always runs, doing nothing when no row is split).
         ``block_table`` (paged caches only, and required there): int32 ``[B, max_pages_per_seq]``, host
@@ -481,13 +486,16 @@ class DecodeAttention:
             return None
         slots = self.num_sms * ctas_per_sm
         per_split = plan.tokens_per_split if plan.variant == "split" else max(max_planned, 1)
-        costs = self.unit_costs
-        if not may_route_to_units_unchecked(planned, max_planned, self.num_kv_heads, per_split, slots,
-                                            costs):  # in O(batch)
+        # The routing compares the two plans under the priors (ROUTE_FACTOR was measured with them);
+        # the units plan it routes to is made with the instance's costs.
+        if not may_route_to_units_unchecked(planned, max_planned, self.num_kv_heads, per_split, slots):  # in O(batch)
             return None
-        units = choose_kv_splits(planned, self.num_kv_heads, block_size=self._unit_block, slots=slots, costs=costs)
-        split_cost = split_plan_makespan(planned, self.num_kv_heads, per_split, slots, costs)
-        return units if split_cost > ROUTE_FACTOR * predicted_makespan(units, planned, costs) else None
+        units = choose_kv_splits(planned, self.num_kv_heads, block_size=self._unit_block, slots=slots,
+                                 costs=self.unit_costs)
+        routed = units if self._priors_plan_units else choose_kv_splits(
+            planned, self.num_kv_heads, block_size=self._unit_block, slots=slots)
+        split_cost = split_plan_makespan(planned, self.num_kv_heads, per_split, slots)
+        return units if split_cost > ROUTE_FACTOR * predicted_makespan(routed, planned) else None
 
     @property
     def _unit_block(self) -> int:

@@ -63,6 +63,17 @@ def test_a_table_with_bad_unit_costs_is_refused_naming_the_field(tmp_path, costs
         tables.load(path)
 
 
+@pytest.mark.parametrize("fields, message", [(dict(default_us=1.0), "lacks \\['tuned_us'\\]"),
+                                             (dict(tuned_us="fast", default_us=1.0), "must be numbers")])
+def test_unit_costs_without_their_figures_are_refused_by_name(tmp_path, fields, message):
+    path = tables.table_path(tmp_path, ARCH, GPU)
+    data = dict(_header(), unit_costs=dict(costs=CostModel().as_dict(), **fields), entries=[])
+    path.parent.mkdir(parents=True)
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(tables.TableError, match=message):
+        tables.load(path)
+
+
 def test_lookup_takes_the_gpus_own_costs_then_the_same_archs(tmp_path, monkeypatch):
     monkeypatch.setattr(lookup, "shipped_dir", lambda: tmp_path / "shipped")
     monkeypatch.setenv(lookup.ENV_DIR, str(tmp_path / "user"))
@@ -75,11 +86,13 @@ def test_lookup_takes_the_gpus_own_costs_then_the_same_archs(tmp_path, monkeypat
     tables.save(tables.table_path(tmp_path / "user", ARCH, lookup.COST_MODEL_GPU), _header(lookup.COST_MODEL_GPU),
                 [], unit_costs=_unit_costs(CostModel(threshold=0.11)))
     lookup.forget()
-    assert lookup.unit_costs(ARCH, GPU).costs == other
+    found, source = lookup.unit_costs(ARCH, GPU)
+    assert found.costs == other and "same arch" in source and "NVIDIA Other GPU" in source
     own = CostModel(threshold=0.09)
     tables.save(tables.table_path(tmp_path / "shipped", ARCH, GPU), _header(), [], unit_costs=_unit_costs(own))
     lookup.forget()
-    assert lookup.unit_costs(ARCH, GPU).costs == own
+    found, source = lookup.unit_costs(ARCH, GPU)
+    assert found.costs == own and "exact GPU" in source
     assert lookup.unit_costs("sm_80", GPU) is None
 
 
@@ -93,11 +106,19 @@ def test_units_plans_follow_the_costs_tuned_for_the_gpu(fake_gpu):
     # split can repay, they stay whole.
     assert DecodeAttention(32, 8, 128).plan([6096], variant="units").split
     whole = CostModel(unit_overhead=10**6)
-    tables.save(tables.table_path(fake_gpu.tables, ARCH, GPU), _header(), [], unit_costs=_unit_costs(whole))
+    path = tables.table_path(fake_gpu.tables, ARCH, GPU)
+    tables.save(path, _header(), [], unit_costs=_unit_costs(whole))
     lookup.forget()
     attn = DecodeAttention(32, 8, 128)
-    assert attn.unit_costs == whole and "tuned for this GPU" in attn.unit_costs_source
+    assert attn.unit_costs == whole and str(path) in attn.unit_costs_source
     assert not attn.plan([6096], variant="units").split
+    # The default planner still routes a long row among short ones to units, as under the priors
+    # (the routing was measured with them), and plans the units with the table's costs.
+    from splitkv.work_units import UnitPlan
+
+    routed = attn.plan([65536] + [512] * 63)
+    assert isinstance(routed, UnitPlan) and not routed.split
+    assert DecodeAttention(32, 8, 128, tuned=False).plan([65536] + [512] * 63).split
     # Costs given to the instance win over the table's; tuned=False keeps the priors.
     given = DecodeAttention(32, 8, 128, unit_costs=CostModel())
     assert given.unit_costs_source is None and given.plan([6096], variant="units").split
@@ -159,6 +180,65 @@ def test_the_search_keeps_the_priors_when_nothing_beats_them_and_never_keeps_a_f
         unit_costs.search(_stand_in(true, fails=lambda costs: True), _plans, trials=3, seed=3)
 
 
+def _optimistic_once(true: CostModel, measure_fails=None):
+    """A stand-in whose search figures favour every candidate but the priors by 5% (noise a
+    minimum picks), while the confirmation's figures are the true ones."""
+    honest = _stand_in(true)
+
+    def measure(costs, iters_scale=1):
+        if measure_fails is not None and iters_scale == 2 and measure_fails(costs):
+            raise TrialFailed("wrong result")
+        us, per = honest(costs)
+        if iters_scale == 1 and costs != CostModel():
+            return us * 0.95, {name: t * 0.95 for name, t in per.items()}
+        return us, per
+    return measure
+
+
+def test_a_best_candidate_not_confirmed_against_the_priors_leaves_the_priors():
+    outcome = unit_costs.search(_optimistic_once(CostModel()), _plans, trials=6, seed=4)
+    assert outcome.costs == CostModel() and outcome.tuned_us == outcome.default_us
+    assert outcome.default_us == pytest.approx(_stand_in(CostModel())(CostModel())[0])
+
+
+def test_a_check_that_fails_in_the_confirmation_keeps_the_priors_or_stops_the_search():
+    outcome = unit_costs.search(_optimistic_once(CostModel(), lambda costs: costs != CostModel()), _plans,
+                                trials=6, seed=5)
+    assert outcome.costs == CostModel()
+    with pytest.raises(RuntimeError, match="measured again"):
+        unit_costs.search(_optimistic_once(CostModel(), lambda costs: costs == CostModel()), _plans, trials=6, seed=5)
+
+
+def test_a_lost_gpu_ends_the_search_at_once():
+    from splitkv.autotune.objective import ContextLost
+
+    calls = []
+
+    def measure(costs, iters_scale=1):
+        calls.append(costs)
+        if len(calls) == 3:
+            raise ContextLost("illegal address")
+        return _stand_in(CostModel())(costs)
+    with pytest.raises(ContextLost):
+        unit_costs.search(measure, _plans, trials=10, seed=6)
+    assert len(calls) == 3
+
+
+def test_the_kept_costs_are_the_nearest_the_priors_of_those_that_plan_the_same():
+    true = CostModel(unit_overhead=512, merge_fixed=2048, merge_per_partial=128, threshold=0.0)
+    asked = []
+
+    def plans(costs):
+        asked.append(costs)
+        return _plans(costs)
+    outcome = unit_costs.search(_stand_in(true), plans, trials=12, seed=0)
+    kept = _plans(outcome.costs)
+    same = [c for c in asked if _plans(c) == kept]
+    assert outcome.costs != CostModel() and len(same) > 1  # a choice was made
+    distance = unit_costs._distance_from_priors
+    assert distance(outcome.costs) == min(distance(c) for c in same)
+
+
 def test_candidates_are_on_the_grid_and_the_priors_are_one_of_them():
     assert unit_costs.costs_of(unit_costs.params_of(CostModel())) == CostModel()
     for name, (low, high, step) in unit_costs.SPACE.items():
@@ -170,8 +250,40 @@ def test_candidates_are_on_the_grid_and_the_priors_are_one_of_them():
 
 
 @pytest.mark.parametrize("extra", [["--cost-model"], ["--exhaustive"], ["--report", "out"],
-                                   ["--devices", "0,1", "--storage", "tune.log"]])
+                                   ["--devices", "0,1", "--storage", "tune.log"], ["--storage", "tune.log"],
+                                   ["--timeout", "5"], ["--study", "x"], ["--bucket", "b1-l2k"],
+                                   ["--report-from", "t.yaml", "--report", "r", "--storage", "j.log"]])
 def test_unit_costs_refuses_the_flags_of_the_kernel_search(extra, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--arch", "sm90", "--tune", "--unit-costs", *extra])
     assert "does not go with --unit-costs" in capsys.readouterr().err
+
+
+def test_a_unit_costs_run_merges_its_costs_into_the_table_and_keeps_its_header(tmp_path, monkeypatch, capsys):
+    from splitkv.autotune import cli as tune_cli
+
+    true = CostModel(unit_overhead=512, merge_fixed=2048, merge_per_partial=128, threshold=0.0)
+
+    class StandIn:  # the GPU measurement, as the search sees it
+        def __init__(self, iters, seed):
+            self.measure = _stand_in(true)
+
+        def __call__(self, costs, iters_scale=1):
+            return self.measure(costs, iters_scale)
+
+        def plans(self, costs):
+            return _plans(costs)
+
+        def close(self):
+            pass
+    monkeypatch.setattr(unit_costs, "GpuMeasure", StandIn)
+    monkeypatch.setattr(tune_cli, "_check_gpu", lambda arch, cost_model: dict(
+        name=GPU, sm_count=132, cuda_runtime="13.9", nvrtc="13.9"))
+    path = tables.table_path(tmp_path, ARCH, GPU)
+    tables.save(path, _header(), [])  # an older run's table: its header names that run
+    assert cli.main(["--arch", "sm90", "--tune", "--unit-costs", "--trials", "12", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name, _ in unit_costs.WORKLOADS)
+    table = tables.load(path)
+    assert table.header == _header() and table.unit_costs.costs != CostModel()
+    assert table.unit_costs.tuned_us < table.unit_costs.default_us and table.unit_costs.trials <= 12

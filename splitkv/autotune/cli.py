@@ -125,13 +125,16 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     except ImportError as e:
         print(f"splitkv-gen: {e}", file=sys.stderr)
         return 2
-    if args.report_from is not None:
-        return _report_from(args, arch, set(keys), {b.name for b in buckets})
-    if args.unit_costs:
+    if args.unit_costs:  # a search of its own: the kernel search's flags would be ignored, so they are refused
         for flag, given in (("--cost-model", args.cost_model), ("--devices", bool(devices)),
-                            ("--exhaustive", args.exhaustive), ("--report", args.report is not None)):
+                            ("--exhaustive", args.exhaustive), ("--report", args.report is not None),
+                            ("--report-from", args.report_from is not None), ("--storage", bool(args.storage)),
+                            ("--timeout", args.timeout is not None), ("--study", bool(args.study)),
+                            ("--bucket", bool(args.buckets))):
             if given:
                 parser.error(f"{flag} does not go with --unit-costs (one short search on the current GPU)")
+    if args.report_from is not None:
+        return _report_from(args, arch, set(keys), {b.name for b in buckets})
     if workers and not args.cost_model:  # this process confirms the winners on the first listed GPU
         import cupy
 
@@ -454,7 +457,9 @@ def _tune_unit_costs(args, arch, gpu) -> int:
     try:
         outcome = unit_costs.search(measure, measure.plans, trials=args.trials, seed=args.seed)
     except ContextLost as e:
-        return _context_lost(e)
+        print(f"splitkv-gen: the GPU can run nothing more in this process: {e}\nNothing was written; run "
+              f"the search again (it keeps no storage).", file=sys.stderr)
+        return EXIT_CONTEXT_LOST
     except RuntimeError as e:
         print(f"splitkv-gen: {e}", file=sys.stderr)
         return 1
@@ -472,7 +477,10 @@ def _tune_unit_costs(args, arch, gpu) -> int:
     if path is None:
         return 0
     try:
-        tables.save(path, _header(arch, gpu), [], unit_costs=result)
+        # The header describes the kernel entries' run (versions, date): a table that has one keeps
+        # it, since no kernel was measured here (the costs carry their own date).
+        header = tables.load(path).header if path.exists() else _header(arch, gpu)
+        tables.save(path, header, [], unit_costs=result)
     except (OSError, tables.TableError) as e:
         print(f"splitkv-gen: cannot write the table {path}: {e}; give a writable folder with --out", file=sys.stderr)
         return 1

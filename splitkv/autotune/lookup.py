@@ -108,19 +108,20 @@ def find(arch: str, gpu: str, key: TuneKey) -> TunedChoices | None:
     return None
 
 
-def unit_costs(arch: str, gpu: str) -> tables.UnitCosts | None:
-    """The work-unit planner's costs measured for this GPU (`tables.UnitCosts`): those of the first
-    table, in the order of the module notes, that holds them (a cost-model table only as the GPU's
-    own), or None: the planner's built-in priors."""
+def unit_costs(arch: str, gpu: str) -> tuple[tables.UnitCosts, str] | None:
+    """The work-unit planner's costs for this GPU and where they come from: those of the first
+    table, in the order of the module notes, that holds them (this GPU's, else another GPU's of
+    the same arch, never a cost-model table of another GPU), with its path and why it was chosen;
+    or None: the planner's built-in priors."""
     arch = parse_arch(arch)
     for path, why in candidate_files(arch, gpu):
         table = read_table(path)
         if table is None or table.arch != arch or (why == "same arch" and table.gpu == COST_MODEL_GPU):
             continue
         if table.unit_costs is not None:
-            _log_once(("unit costs", path), f"splitkv: the work-unit planner on {gpu} uses the costs of {path} "
-                                            f"({why}: {table.gpu})")
-            return table.unit_costs
+            source = f"{path} ({why}: {table.gpu}, {table.unit_costs.date})"
+            _log_once(("unit costs", source), f"splitkv: the work-unit planner on {gpu} uses the costs of {source}")
+            return table.unit_costs, source
     return None
 
 

@@ -177,6 +177,9 @@ class UnitCosts:
         unknown = set(data) - {"costs", "tuned_us", "default_us", "trials", "date", "workloads"}
         if unknown:
             raise ValueError(f"unit_costs: unknown fields {sorted(unknown)}")
+        missing = {"costs", "tuned_us", "default_us"} - set(data)
+        if missing:
+            raise ValueError(f"unit_costs: lacks {sorted(missing)}")
         costs = _mapping(data.get("costs"), "unit_costs.costs")
         if set(costs) != set(COST_FIELDS):
             raise ValueError(f"unit_costs.costs: expected the fields {list(COST_FIELDS)}, got {sorted(costs)}")
@@ -187,8 +190,12 @@ class UnitCosts:
         workloads = data.get("workloads") or []
         if not isinstance(workloads, list):
             raise ValueError("unit_costs.workloads: expected a list of workload names")
-        return cls(model, float(data["tuned_us"]), float(data["default_us"]), int(data.get("trials", 0)),
-                   str(data.get("date", "")), tuple(str(w) for w in workloads))
+        try:
+            figures = float(data["tuned_us"]), float(data["default_us"]), int(data.get("trials") or 0)
+        except (TypeError, ValueError):
+            raise ValueError(f"unit_costs: tuned_us and default_us must be numbers and trials an int, got "
+                             f"{data['tuned_us']!r}, {data['default_us']!r}, {data.get('trials')!r}") from None
+        return cls(model, *figures, str(data.get("date", "")), tuple(str(w) for w in workloads))
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,9 @@ CONFIRM_ROUNDS = 4
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the search keeps: the costs, their figure and the priors' (geometric mean µs of the
-    confirmation rounds), the trials measured, and each workload's µs under both."""
+    """What the search keeps: the costs, their figure and the priors' (geometric mean µs: the
+    medians of the confirmation rounds, or the search's one figure where the priors' plans were the
+    best and nothing was confirmed), the trials measured, and each workload's µs (kept, priors)."""
 
     costs: CostModel
     tuned_us: float
@@ -94,8 +95,10 @@ def plans_of(costs: CostModel, block_size: int, slots: int) -> tuple:
 
 def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     """Search the cost model: ``measure(costs, iters_scale)`` gives ``(geometric mean µs, {workload:
-    µs})`` (raising `objective.TrialFailed` for a plan that fails its check), ``plans(costs)`` a
-    hashable description of what they launch. ``trials`` counts distinct launches measured."""
+    µs})`` (raising `objective.TrialFailed` for a plan that fails its check, `objective.ContextLost`
+    when the GPU can run nothing more, which ends the search), ``plans(costs)`` a hashable
+    description of what they launch. ``trials`` counts distinct launches measured."""
+    from .objective import ContextLost, TrialFailed
     from .search import MARGIN, _optuna
 
     optuna = _optuna()
@@ -104,22 +107,22 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     defaults = CostModel()
     study.enqueue_trial(params_of(defaults))
     known: dict = {}  # plans -> (geometric mean µs, per workload) or None (failed)
-    figures: dict = {}  # plans -> the first costs that launched them
+    launchers: dict = {}  # plans -> every candidate that launched them
     measured = asks = 0
     while measured < trials and asks < trials * MAX_ASKS:
         asks += 1
         trial = study.ask()
         costs = costs_of({name: _suggest(trial, name) for name in SPACE})
         launched = plans(costs)
+        launchers.setdefault(launched, []).append(costs)
         if launched not in known:
-            from .objective import TrialFailed
-
             try:
                 known[launched] = measure(costs, 1)
+            except ContextLost:
+                raise
             except TrialFailed as e:
                 known[launched] = None
                 _say(log, f"unit costs {costs.as_dict()}: failed: {e}")
-            figures[launched] = costs
             measured += 1
             if known[launched] is not None:
                 _say(log, f"[{measured}/{trials}] {known[launched][0]:.2f} µs  {costs.as_dict()}")
@@ -131,24 +134,42 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     if known.get(prior_plans) is None:
         raise RuntimeError("the built-in unit costs' plans failed their check; nothing to compare against")
     best = min((k for k in known if known[k] is not None), key=lambda k: known[k][0])
-    if best == prior_plans:
+    if best == prior_plans:  # one search figure each: nothing to confirm against
         us, per = known[prior_plans]
         return Outcome(defaults, us, us, measured, {name: (t, t) for name, t in per.items()})
+    # Every candidate that launched the best plans launches the same on the workloads; on other
+    # batches they may differ, so the one nearest the priors is kept (the least change measured).
+    chosen = min(launchers[best], key=_distance_from_priors)
     # Alternating rounds: the best candidate and the priors, each in both positions.
     rounds = {"best": [], "prior": []}
-    for r in range(CONFIRM_ROUNDS):
-        order = ("best", "prior") if r % 2 == 0 else ("prior", "best")
-        for which in order:
-            rounds[which].append(measure(figures[best] if which == "best" else defaults, 2))
+    try:
+        for r in range(CONFIRM_ROUNDS):
+            for which in (("best", "prior") if r % 2 == 0 else ("prior", "best")):
+                rounds[which].append(measure(chosen if which == "best" else defaults, 2))
+    except ContextLost:
+        raise
+    except TrialFailed as e:
+        if which == "prior":
+            raise RuntimeError(f"the built-in unit costs' plans failed their check when measured again: {e}") from e
+        _say(log, f"the best candidate failed its check when measured again ({e}): keeping the built-in costs")
+        us, per = known[prior_plans]
+        return Outcome(defaults, us, us, measured, {name: (t, t) for name, t in per.items()})
     best_us = float(np.median([m[0] for m in rounds["best"]]))
     prior_us = float(np.median([m[0] for m in rounds["prior"]]))
     per = {name: (float(np.median([m[1][name] for m in rounds["best"]])),
                   float(np.median([m[1][name] for m in rounds["prior"]]))) for name in rounds["best"][0][1]}
     if best_us <= prior_us * (1 - MARGIN):
-        return Outcome(figures[best], best_us, prior_us, measured, per)
+        return Outcome(chosen, best_us, prior_us, measured, per)
     _say(log, f"the best candidate ({best_us:.2f} µs) is not {MARGIN:.0%} faster than the built-in costs "
               f"({prior_us:.2f} µs) when measured again: keeping the built-in costs")
     return Outcome(defaults, prior_us, prior_us, measured, {name: (p, p) for name, (_, p) in per.items()})
+
+
+def _distance_from_priors(costs: CostModel) -> float:
+    """How far ``costs`` lie from the priors, each field in units of its searched range."""
+    priors = CostModel()
+    return sum(((getattr(costs, name) - getattr(priors, name)) / (high - low)) ** 2
+               for name, (low, high, _) in SPACE.items())
 
 
 def _suggest(trial, name: str):

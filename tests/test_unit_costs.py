@@ -252,7 +252,8 @@ def test_candidates_are_on_the_grid_and_the_priors_are_one_of_them():
 @pytest.mark.parametrize("extra", [["--cost-model"], ["--exhaustive"], ["--report", "out"],
                                    ["--devices", "0,1", "--storage", "tune.log"], ["--storage", "tune.log"],
                                    ["--timeout", "5"], ["--study", "x"], ["--bucket", "b1-l2k"],
-                                   ["--report-from", "t.yaml", "--report", "r", "--storage", "j.log"]])
+                                   ["--report-from", "t.yaml", "--report", "r", "--storage", "j.log"],
+                                   ["--head-dim", "128"], ["--dtype", "fp8_e4m3"]])
 def test_unit_costs_refuses_the_flags_of_the_kernel_search(extra, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--arch", "sm90", "--tune", "--unit-costs", *extra])

@@ -130,7 +130,9 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
                             ("--exhaustive", args.exhaustive), ("--report", args.report is not None),
                             ("--report-from", args.report_from is not None), ("--storage", bool(args.storage)),
                             ("--timeout", args.timeout is not None), ("--study", bool(args.study)),
-                            ("--bucket", bool(args.buckets))):
+                            ("--bucket", bool(args.buckets)), ("--head-dim", bool(args.head_dims)),
+                            ("--group", bool(args.group_sizes)), ("--dtype", bool(args.kv_dtypes)),
+                            ("--page-size", bool(args.page_sizes))):
             if given:
                 parser.error(f"{flag} does not go with --unit-costs (one short search on the current GPU)")
     if args.report_from is not None:

@@ -147,7 +147,16 @@ def _stand_in(true: CostModel, fails=lambda costs: False, calls=None):
 
 
 def _plans(costs):
-    return unit_costs.plans_of(costs, BLOCK, SLOTS)
+    return unit_costs.plans_of(costs, [(BLOCK, SLOTS)] * len(unit_costs.WORKLOADS))
+
+
+def test_each_workload_is_planned_on_its_own_geometry():
+    geometry = [(BLOCK, SLOTS)] * len(unit_costs.WORKLOADS)
+    fewer = [(BLOCK, SLOTS)] + [(BLOCK, SLOTS // 2)] * (len(unit_costs.WORKLOADS) - 1)
+    assert unit_costs.plans_of(CostModel(), geometry)[0] == unit_costs.plans_of(CostModel(), fewer)[0]
+    assert unit_costs.plans_of(CostModel(), geometry)[1:] != unit_costs.plans_of(CostModel(), fewer)[1:]
+    with pytest.raises(ValueError):
+        unit_costs.plans_of(CostModel(), geometry[:-1])  # one geometry per workload
 
 
 def test_the_search_finds_costs_that_plan_better_when_the_priors_are_off():

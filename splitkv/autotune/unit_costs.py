@@ -6,7 +6,8 @@ cost per partial, and the predicted gain a split plan must show before it replac
 Its defaults are priors. This search sets them from measurements on the GPU at hand:
 
 - each candidate cost model plans a fixed set of ragged batches (`WORKLOADS`, 8 K/V heads of
-  head_dim 128, group 4, bf16) as ``plan(variant="units")`` plans them, with the built-in programs;
+  head_dim 128, group 4, bf16) as ``plan(variant="units")`` plans them, with the programs the
+  runtime takes on this GPU (its tuned table's, where one is found);
 - a candidate whose plans are those of one measured before takes its figure (the plans change in
   steps, so most of the space repeats a few plans; planning is NumPy, nothing runs for it) and is
   not counted as a trial;
@@ -84,10 +85,12 @@ def params_of(costs: CostModel) -> dict:
     return {name: getattr(costs, name) for name in SPACE}
 
 
-def plans_of(costs: CostModel, block_size: int, slots: int) -> tuple:
-    """What the runtime would launch for each workload under ``costs``: its unit and merge tables."""
+def plans_of(costs: CostModel, geometry) -> tuple:
+    """What the runtime would launch for each workload under ``costs``: its unit and merge tables,
+    planned on the workload's (block size, slots) in ``geometry`` (those of the units program the
+    runtime takes for it, which the costs do not change)."""
     plans = []
-    for _, lens in WORKLOADS:
+    for (_, lens), (block_size, slots) in zip(WORKLOADS, geometry, strict=True):
         plan = choose_kv_splits(lens, REFERENCE_KV_HEADS, block_size=block_size, slots=slots, costs=costs)
         plans.append((plan.units.tobytes(), plan.merges.tobytes()))
     return tuple(plans)
@@ -197,19 +200,23 @@ class GpuMeasure:
         with self.harness.active():
             self.harness.flush_us = self.harness.flush_time_us()
             self.inputs = [BucketInputs(KEY, lens, seed + i) for i, (_, lens) in enumerate(WORKLOADS)]
-        # The planner's block size and slots, as the runtime plans units on this GPU.
-        _, probe = self._planned(CostModel(), self.inputs[0])
-        self.block_size, self.slots = probe.block_size, probe.slots
+        # Each workload's block size and slots, as the runtime plans its units on this GPU (with
+        # the units program of the tuned entry nearest it, if any: the costs do not change which).
+        self.geometry = []
+        for inp in self.inputs:
+            _, probe = self._planned(CostModel(), inp)
+            self.geometry.append((probe.block_size, probe.slots))
 
     def plans(self, costs: CostModel) -> tuple:
-        return plans_of(costs, self.block_size, self.slots)
+        return plans_of(costs, self.geometry)
 
     def _planned(self, costs: CostModel, inp):
-        """(DecodeAttention planned for ``inp`` with the units program under ``costs``, the UnitPlan)."""
+        """(DecodeAttention planned for ``inp`` with the units program under ``costs``, the UnitPlan):
+        the programs the runtime takes on this GPU (its tuned table's), the costs given."""
         from .. import DecodeAttention
 
         attn = DecodeAttention(KEY.group_size * REFERENCE_KV_HEADS, REFERENCE_KV_HEADS, KEY.head_dim,
-                               q_dtype=KEY.q_dtype, kv_dtype=KEY.kv_dtype, tuned=False, unit_costs=costs)
+                               q_dtype=KEY.q_dtype, kv_dtype=KEY.kv_dtype, unit_costs=costs)
         with self.harness.active():
             plan = attn.plan(inp.seq_lens, variant="units")
         return attn, plan

@@ -1619,3 +1619,14 @@ def test_a_winners_last_check_runs_the_program_it_would_write(monkeypatch):
     assert [v for _, v, _ in ran] == [None, "units"]
     problem = gpu_objective.verify(TUNED_SPLIT)
     assert "units program" in problem and "4059" in problem and "max error 0.5" in problem
+
+
+def test_tune_on_devices_that_are_not_usable_says_so(monkeypatch, tmp_path, capsys):
+    import cupy
+
+    def no_device(ordinal=None):
+        raise cupy.cuda.runtime.CUDARuntimeError(100)  # cudaErrorNoDevice
+    monkeypatch.setattr(cupy.cuda, "Device", no_device)
+    rc = cli.main(["--arch", "sm90", "--tune", "--head-dim", "128", "--group", "4", "--dtype", "bf16",
+                   "--storage", str(tmp_path / "j.log"), "--devices", "0,1"])
+    assert rc == 2 and "GPU 0 is not usable here" in capsys.readouterr().err

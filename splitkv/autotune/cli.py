@@ -140,7 +140,12 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     if workers and not args.cost_model:  # this process confirms the winners on the first listed GPU
         import cupy
 
-        cupy.cuda.Device(devices[0]).use()
+        try:
+            cupy.cuda.Device(devices[0]).use()
+        except Exception as e:  # noqa: BLE001 - no driver, no such device
+            print(f"splitkv-gen: --devices {args.devices}: GPU {devices[0]} is not usable here "
+                  f"({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
     gpu = _check_gpu(arch, args.cost_model)
     if isinstance(gpu, int):
         return gpu

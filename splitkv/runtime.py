@@ -35,6 +35,8 @@ from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS,
                          choose_kv_splits, may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
 
 _LOG2E = 1.4426950408889634
+#: The work-unit planner's built-in costs, which the routing to units was measured under.
+_PRIOR_COSTS = CostModel()
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
 _ALIGN = 16
 _MERGE_THREADS = 128
@@ -203,7 +205,6 @@ class DecodeAttention:
             found = lookup.unit_costs(self.arch, gpu_name(self.device))
             if found is not None:
                 self.unit_costs, self.unit_costs_source = found[0].costs, found[1]
-        self._priors_plan_units = self.unit_costs is None or self.unit_costs == CostModel()
         self.merge_spec = MergeSpec(arch=self.arch, head_dim=head_dim, out_dtype=q_dtype, threads=_MERGE_THREADS)
         self._launch: _Launch | None = None
         self._validated_layout: tuple | None = None
@@ -490,12 +491,14 @@ class DecodeAttention:
         # the units plan it routes to is made with the instance's costs.
         if not may_route_to_units_unchecked(planned, max_planned, self.num_kv_heads, per_split, slots):  # in O(batch)
             return None
-        units = choose_kv_splits(planned, self.num_kv_heads, block_size=self._unit_block, slots=slots,
-                                 costs=self.unit_costs)
-        routed = units if self._priors_plan_units else choose_kv_splits(
-            planned, self.num_kv_heads, block_size=self._unit_block, slots=slots)
+        units = self._unit_plan(planned, slots, self.unit_costs)
+        routed = units if self.unit_costs in (None, _PRIOR_COSTS) else self._unit_plan(planned, slots, None)
         split_cost = split_plan_makespan(planned, self.num_kv_heads, per_split, slots)
         return units if split_cost > ROUTE_FACTOR * predicted_makespan(routed, planned) else None
+
+    def _unit_plan(self, lens, slots: int, costs: CostModel | None) -> UnitPlan:
+        """The work-unit planner's tables for these lengths on ``slots`` slots (``costs`` None: the priors)."""
+        return choose_kv_splits(lens, self.num_kv_heads, block_size=self._unit_block, slots=slots, costs=costs)
 
     @property
     def _unit_block(self) -> int:
@@ -510,8 +513,7 @@ class DecodeAttention:
         decode_fn, compiled = self._load(spec)
         if plan is None:
             slots = self.num_sms * resident_ctas_per_sm(spec, compiled.registers)
-            plan = choose_kv_splits(host_lens, self.num_kv_heads, block_size=self._unit_block, slots=slots,
-                                    costs=self.unit_costs)
+            plan = self._unit_plan(host_lens, slots, self.unit_costs)
         rows = lens.size * self.num_kv_heads
         static = max_units is not None
         if static:

@@ -20,6 +20,7 @@ by more than ``threshold``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -70,14 +71,13 @@ class CostModel:
                 raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
         _positive_int("max_ways", self.max_ways)
 
-
     def as_dict(self) -> dict:
-        """The fields by name (`COST_FIELDS`), as a tuned table holds them; ``CostModel(**d)`` reads them back."""
-        return {name: getattr(self, name) for name in COST_FIELDS}
+        """The fields by name, in their order, as a tuned table holds them; ``CostModel(**d)`` reads them back."""
+        return dataclasses.asdict(self)
 
 
 #: CostModel's fields, in the order a tuned table lists them (`splitkv.autotune.tables.UnitCosts`).
-COST_FIELDS = ("unit_overhead", "merge_fixed", "merge_per_partial", "threshold", "max_ways")
+COST_FIELDS = tuple(f.name for f in dataclasses.fields(CostModel))
 #: The default costs, built once (a CostModel validates itself, so building one per plan costs µs).
 _DEFAULT_COSTS = CostModel()
 

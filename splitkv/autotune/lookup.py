@@ -91,13 +91,20 @@ class TunedChoices:
         return nearest_bucket(self.entries, rows, max_len, bucket_of=lambda e: e.bucket)
 
 
-def find(arch: str, gpu: str, key: TuneKey) -> TunedChoices | None:
-    """The first table (see the module notes) with entries for ``key``, or None."""
+def _usable_tables(arch: str, gpu: str):
+    """(path, why, table) of the tables this GPU may use, in search order (see the module notes):
+    readable, of ``arch``, and never a cost-model table of another GPU."""
     arch = parse_arch(arch)
     for path, why in candidate_files(arch, gpu):
         table = read_table(path)
-        if table is None or table.arch != arch or (why == "same arch" and table.gpu == COST_MODEL_GPU):
-            continue
+        if table is not None and table.arch == arch and not (why == "same arch" and table.gpu == COST_MODEL_GPU):
+            yield path, why, table
+
+
+def find(arch: str, gpu: str, key: TuneKey) -> TunedChoices | None:
+    """The first table (see the module notes) with entries for ``key``, or None."""
+    arch = parse_arch(arch)
+    for path, why, table in _usable_tables(arch, gpu):
         entries = table.for_key(key)
         if entries:
             source = f"{path} ({why}: {table.gpu})"
@@ -113,11 +120,7 @@ def unit_costs(arch: str, gpu: str) -> tuple[tables.UnitCosts, str] | None:
     table, in the order of the module notes, that holds them (this GPU's, else another GPU's of
     the same arch, never a cost-model table of another GPU), with its path and why it was chosen;
     or None: the planner's built-in priors."""
-    arch = parse_arch(arch)
-    for path, why in candidate_files(arch, gpu):
-        table = read_table(path)
-        if table is None or table.arch != arch or (why == "same arch" and table.gpu == COST_MODEL_GPU):
-            continue
+    for path, why, table in _usable_tables(arch, gpu):
         if table.unit_costs is not None:
             source = f"{path} ({why}: {table.gpu}, {table.unit_costs.date})"
             _log_once(("unit costs", source), f"splitkv: the work-unit planner on {gpu} uses the costs of {source}")

@@ -143,24 +143,30 @@ class GpuObjective(Objective):
         return attn
 
     def _checked(self, spec: KernelSpec | None, inp: "BucketInputs", variant: str | None):
-        """(DecodeAttention planned for ``inp`` as the runtime plans ``spec``, its call), after one
-        call checked against the reference; raises TrialFailed (ContextLost when the GPU is gone).
-        ``variant`` 'units' forces the units program."""
-        try:
-            attn = self._planned(spec, inp, variant)
-            inp.poison_output()
+        """`checked_call` of DecodeAttention planned for ``inp`` as the runtime plans ``spec``
+        (``variant`` 'units' forces the units program)."""
+        return checked_call(lambda: self._planned(spec, inp, variant), inp, self.harness)
 
-            def call():
-                attn.run(inp.q, inp.k, inp.v, out=inp.out)
 
-            call()
-            self.harness.synchronize()
-            error = inp.error()
-        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is a failed trial
-            raise _failure(e) from e
-        if not error <= TOLERANCE:
-            raise TrialFailed(f"wrong result: max error {error:.3g} of max |ref| (tolerance {TOLERANCE})")
-        return attn, call
+def checked_call(planned, inp: "BucketInputs", harness):
+    """(``planned()``, a DecodeAttention planned for ``inp``, and its call on ``inp``), after one call
+    checked against the reference into a poisoned output; raises TrialFailed (ContextLost when the
+    GPU is gone)."""
+    try:
+        attn = planned()
+        inp.poison_output()
+
+        def call():
+            attn.run(inp.q, inp.k, inp.v, out=inp.out)
+
+        call()
+        harness.synchronize()
+        error = inp.error()
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot run is a failed trial
+        raise _failure(e) from e
+    if not error <= TOLERANCE:
+        raise TrialFailed(f"wrong result: max error {error:.3g} of max |ref| (tolerance {TOLERANCE})")
+    return attn, call
 
 
 def _failure(e: BaseException) -> TrialFailed:

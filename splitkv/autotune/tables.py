@@ -10,6 +10,13 @@
     nvrtc: "13.0"
     splitkv: 0.1.0
     date: "2026-11-30"
+    unit_costs:                 # optional: the work-unit planner's costs for this GPU
+      costs: {unit_overhead: 64, merge_fixed: 128, merge_per_partial: 16, threshold: 0.03, max_ways: 8}
+      tuned_us: 31.2            # geometric mean of the workloads' medians under these costs
+      default_us: 31.9          # the same under the built-in costs, same run
+      trials: 40
+      date: "2026-11-30"
+      workloads: ["1 x 6096", "3 x 4096", ...]
     entries:
     - key: {head_dim: 128, group_size: 4, q_dtype: bf16, kv_dtype: bf16, layout: contiguous}
       bucket: {name: b1-l32k, batch: 1, seq_len: 32768}
@@ -22,21 +29,14 @@
       plan: "split: B=1, 16 x 2048 tokens ..."  # how the winner planned the bucket (optional)
       planner: short-rows       # the split-count rules it was measured under (absent: waves)
       exhaustive: {best_us: 37.8, points: 252, trials_to_within_3pct: 17}   # when it was run
-    unit_costs:                 # optional: the work-unit planner's costs for this GPU
-      costs: {unit_overhead: 64, merge_fixed: 128, merge_per_partial: 16, threshold: 0.03, max_ways: 8}
-      tuned_us: 31.2            # geometric mean of the workloads' medians under these costs
-      default_us: 31.9          # the same under the built-in costs, same run
-      trials: 40
-      date: "2026-11-30"
-      workloads: ["1 x 6096", "3 x 4096", ...]
 
 ``unit_costs`` (`UnitCosts`, from `splitkv-gen --tune --unit-costs`) holds the work-unit planner's
-cost model measured on this GPU (`splitkv.work_units.CostModel`), which the runtime plans units with;
-without it the planner's built-in priors serve. ``spec`` holds every KernelSpec field but the arch and the key's own; ``spec: null`` says the
-built-in choice was measured best, and the runtime keeps it. ``planner`` names the planner's
-split-count rules the entry was measured under (`PLANNERS`): the runtime plans a tuned program by
-those rules, so it launches what was measured. Entries are sorted by key and
-bucket, so a table written twice from the same results is the same file. `save` merges: it reads
+cost model measured on this GPU (`splitkv.work_units.CostModel`), which the runtime plans units
+with; without it the planner's built-in priors serve. ``spec`` holds every KernelSpec field but the
+arch and the key's own; ``spec: null`` says the built-in choice was measured best, and the runtime
+keeps it. ``planner`` names the planner's split-count rules the entry was measured under
+(`PLANNERS`): the runtime plans a tuned program by those rules, so it launches what was measured.
+Entries are sorted by key and bucket, so a table written twice from the same results is the same file. `save` merges: it reads
 what is there, replaces the entries it has new figures for, keeps the rest, and replaces the
 file atomically (a temporary file renamed over it) under a lock, so concurrent writers lose
 nothing and a reader never sees half a file. A file that cannot be read as a table raises
@@ -46,6 +46,7 @@ nothing and a reader never sees half a file. A file that cannot be read as a tab
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +175,7 @@ class UnitCosts:
     @classmethod
     def from_dict(cls, data) -> "UnitCosts":
         data = _mapping(data, "unit_costs")
-        unknown = set(data) - {"costs", "tuned_us", "default_us", "trials", "date", "workloads"}
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unit_costs: unknown fields {sorted(unknown)}")
         missing = {"costs", "tuned_us", "default_us"} - set(data)

@@ -222,26 +222,18 @@ class GpuMeasure:
         return attn, plan
 
     def __call__(self, costs: CostModel, iters_scale: int = 1) -> tuple:
-        from .measure import TOLERANCE, _failure
+        from .measure import _failure, checked_call
         from .objective import TrialFailed
 
         per = {}
         for (name, _), inp in zip(WORKLOADS, self.inputs):
             with self.harness.active():
                 try:
-                    attn, _ = self._planned(costs, inp)
-                    inp.poison_output()
-                    attn.run(inp.q, inp.k, inp.v, out=inp.out)
-                    self.harness.synchronize()
-                    error = inp.error()
-                    if not error <= TOLERANCE:
-                        raise TrialFailed(f"{name}: wrong result, max error {error:.3g} of max |ref|")
-                    def call(attn=attn, inp=inp):  # this iteration's plan and inputs
-                        attn.run(inp.q, inp.k, inp.v, out=inp.out)
-
+                    _, call = checked_call(lambda inp=inp: self._planned(costs, inp)[0], inp, self.harness)
+                except TrialFailed as e:  # (ContextLost stays ContextLost)
+                    raise type(e)(f"{name}: {e}") from e
+                try:
                     times = self.harness.time(call, self.iters * iters_scale)
-                except TrialFailed:
-                    raise
                 except Exception as e:  # noqa: BLE001 - a plan that cannot run is a failed candidate
                     raise _failure(e) from e
             per[name] = float(np.median(times))

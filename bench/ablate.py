@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from splitkv import DecodeAttention, quantize_kv
-from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
+from splitkv import DecodeAttention
+from splitkv.bench import Harness, parse_shapes, random_qkv
 from splitkv.codegen.load import load_kernel
 from splitkv.codegen.render import render
 from splitkv.floor import ReadFloor
@@ -106,10 +106,9 @@ def main(argv=None) -> int:
     rows = []
     for shape in shapes:
         b, hq, hkv, d, n = shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.seq_len
-        q, k, v, out = random_bf16_qkv(shape)
+        q, k, v, out = random_qkv(shape)
         ablations = dict(ABLATIONS)
         if shape.quantized:
-            k, v = quantize_kv(k, shape.kv_dtype), quantize_kv(v, shape.kv_dtype)
             ablations = {**QUANTIZED_ABLATIONS[shape.kv_dtype], "stream-only (no math)": _stream_only}
         attn = DecodeAttention(hq, hkv, d, kv_dtype=shape.kv_dtype)
         variant = "split" if args.splits else None

@@ -222,7 +222,7 @@ def sample_launch(attn, inputs, harness, samples: int, stamp_kernel):
 def main(argv=None) -> int:
     import cupy
 
-    from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
+    from splitkv.bench import Harness, parse_shapes, random_qkv
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:64k"])
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     harness = Harness(args.samples, 3, 256 << 20)
     variants = [(text, *parse_variant(text)) for text in args.variants]
     for shape in parse_shapes(args.shapes):
-        inputs = random_bf16_qkv(shape)  # q, k, v, out: shared by the shape's variants
+        inputs = random_qkv(shape)  # q, k, v (in the shape's K/V format), out: shared by its variants
         for text, changes, plan_keys in variants:
             attn = planned_attention(shape, changes, plan_keys, harness.stream)
             stamps, outside = sample_launch(attn, inputs, harness, args.samples, stamp_kernel)

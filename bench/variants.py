@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from splitkv import DecodeAttention, quantize_kv
-from splitkv.bench import Harness, parse_shapes, parse_spec_override, random_bf16_qkv
+from splitkv import DecodeAttention
+from splitkv.bench import Harness, parse_shapes, parse_spec_override, random_qkv
 from splitkv.floor import ReadFloor
 from splitkv.heuristics import default_spec
 
@@ -76,8 +76,6 @@ def round_order(count: int, round_index: int) -> list[int]:
 
 
 def main(argv=None) -> int:
-    import cupy
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L[:fp8|:nvfp4] (L may be written 4k)")
     parser.add_argument("--variants", nargs="+", default=[""], help='field=value,...[,splits=N][,warp_heads=0|1]; "" = as shipped')
@@ -96,9 +94,7 @@ def main(argv=None) -> int:
     shapes = parse_shapes(args.shapes)
     floor = ReadFloor(max(s.total_bytes for s in shapes))
     for shape in shapes:
-        q, k, v, out = random_bf16_qkv(shape)
-        if shape.kv_dtype != "bf16":  # the bf16 inputs quantized on the GPU, as the benchmark does
-            k, v = quantize_kv(k, shape.kv_dtype), quantize_kv(v, shape.kv_dtype)
+        q, k, v, out = random_qkv(shape)
         with harness.active():
             floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
         print(f"{shape.label}: read floor {floor_us:.1f} µs", flush=True)

@@ -847,6 +847,17 @@ def random_bf16_qkv(shape: Shape, seed: int = 0):
     return q, k, v, cupy.empty_like(q)
 
 
+def random_qkv(shape: Shape, seed: int = 0):
+    """As random_bf16_qkv, with k and v quantized on the GPU into the shape's K/V format (as the
+    benchmark does) when it is not bf16."""
+    q, k, v, out = random_bf16_qkv(shape, seed)
+    if shape.quantized:
+        from .quantize import quantize_kv
+
+        k, v = quantize_kv(k, shape.kv_dtype), quantize_kv(v, shape.kv_dtype)
+    return q, k, v, out
+
+
 def reference_output(inputs: Inputs, k=None, v=None):
     """fp32 attention of the bf16 inputs (torch only), query head h reading K/V head h // group;
     over ``k``, ``v`` (torch tensors) instead of the bf16 K/V when given."""

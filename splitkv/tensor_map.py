@@ -28,7 +28,7 @@ _DTYPE_UINT8, _DTYPE_UINT16 = 0, 1
 _INTERLEAVE_NONE = 0
 #: The swizzle of a box row of 32, 64 or 128 bytes: its 16-byte pieces XOR-permuted over 8 rows.
 _SWIZZLE_OF_BOX_BYTES = {32: 1, 64: 2, 128: 3}
-_L2_PROMOTION_NONE = 0  # 256-byte promotion measured 6% slower at 128k (H200), none and 128 B equal
+_L2_PROMOTION_NONE, _L2_PROMOTION_128B = 0, 2
 _OOB_FILL_ZEROS = 0
 #: Encoded maps kept (two per cache: K and V). A model runs one DecodeAttention over every layer's
 #: cache, so this covers the K and V of 512 layers; an entry is about 200 host bytes.
@@ -70,6 +70,16 @@ def _aligned_buffer() -> np.ndarray:
     return raw[start:start + MAP_BYTES]
 
 
+def l2_promotion(box_bytes: int) -> int:
+    """The L2 promotion for boxes of ``box_bytes``-wide rows. A row narrower than a 128-byte line
+    (NVFP4 at head_dim 128, whose 64-byte rows of neighbouring K/V heads share a line in an NHD
+    cache) fills its whole line, which the neighbour's CTA reads at about the same time. H200,
+    NVFP4 32/8: 64k 44.7 -> 39.7 µs, 16k 20.5 -> 19.7, 16 x 4k 37.4 -> 36.5 (BENCHMARKS.md). Rows of
+    128 bytes take none: 128-byte promotion changed nothing for FP8 and 256-byte was up to 6%
+    slower (BF16 at 128k)."""
+    return _L2_PROMOTION_128B if box_bytes < 128 else _L2_PROMOTION_NONE
+
+
 def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES) -> dict:
     """The encode call's arguments for a row-major [rows][cols] matrix read in boxes of
     ``box_bytes`` (32, 64 or 128, swizzled over that span) x ``box_rows`` rows (checked here, so a
@@ -87,7 +97,8 @@ def box_geometry(rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes
         raise ValueError(f"tensor map: a [{rows}][{cols}] view is outside the copy engine's coordinates")
     return {"dtype": _DTYPE_UINT8 if elem_bytes == 1 else _DTYPE_UINT16,
             "dims": (cols, rows), "row_stride": row_bytes,
-            "box": (box_bytes // elem_bytes, box_rows), "swizzle": _SWIZZLE_OF_BOX_BYTES[box_bytes]}
+            "box": (box_bytes // elem_bytes, box_rows), "swizzle": _SWIZZLE_OF_BOX_BYTES[box_bytes],
+            "l2_promotion": l2_promotion(box_bytes)}
 
 
 def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES) -> np.ndarray:
@@ -101,7 +112,7 @@ def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_b
     box = (ctypes.c_uint32 * 2)(*geo["box"])
     steps = (ctypes.c_uint32 * 2)(1, 1)
     status = _encode_function()(out.ctypes.data, geo["dtype"], 2, ctypes.c_void_p(ptr), dims, strides, box, steps,
-                                _INTERLEAVE_NONE, geo["swizzle"], _L2_PROMOTION_NONE, _OOB_FILL_ZEROS)
+                                _INTERLEAVE_NONE, geo["swizzle"], geo["l2_promotion"], _OOB_FILL_ZEROS)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {status} for a [{rows}][{cols}] "
                            f"view of {elem_bytes}-byte elements at {ptr:#x}, boxes of {geo['box']}")

@@ -18,6 +18,7 @@ def test_geometry_of_a_bf16_cache():
     assert f"constexpr int BOX_BYTES = {TMA_BOX_BYTES};" in source
     assert "constexpr int BOX_ELEMS = BOX_BYTES / MAP_ELEM_BYTES;" in source and "constexpr int KV_BITS = 16;" in source
     assert geo["swizzle"] == 3  # the 128-byte swizzle
+    assert geo["l2_promotion"] == 0  # whole lines already: no promotion
 
 
 def test_geometry_of_an_nvfp4_cache():
@@ -26,6 +27,8 @@ def test_geometry_of_an_nvfp4_cache():
     geo = box_geometry(3 * 1000, 8 * 64, 1, 32, 64)
     assert geo["dims"] == (512, 3000) and geo["row_stride"] == 512 and geo["box"] == (64, 32) and geo["swizzle"] == 2
     assert box_geometry(3000, 8 * 32, 1, 32, 32)["swizzle"] == 1
+    # Rows narrower than a 128-byte line fill the whole line in L2 (the neighbouring head's half).
+    assert geo["l2_promotion"] == 2 and box_geometry(3000, 8 * 32, 1, 32, 32)["l2_promotion"] == 2
     spec = KernelSpec(arch="sm_90", kv_dtype="nvfp4", kv_copy="tma", warps=8, chunk_size=256)
     assert spec.tma_box_bytes == 64 and spec.kv_elem_bytes == 1
     # Tiles start on the 64-byte swizzle's period (8 rows, 512 bytes): 32 rows of 64 bytes and

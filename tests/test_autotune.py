@@ -1630,3 +1630,15 @@ def test_tune_on_devices_that_are_not_usable_says_so(monkeypatch, tmp_path, caps
     rc = cli.main(["--arch", "sm90", "--tune", "--head-dim", "128", "--group", "4", "--dtype", "bf16",
                    "--storage", str(tmp_path / "j.log"), "--devices", "0,1"])
     assert rc == 2 and "GPU 0 is not usable here" in capsys.readouterr().err
+
+
+def test_the_code_version_follows_the_templates_and_the_tensor_maps_encoding(monkeypatch):
+    # A study resumes only figures measured with the same programs: a change of a template or of the
+    # tensor maps' encoding (the L2 promotion, say) must start new studies.
+    read = Path.read_bytes
+    before = keys.code_version.__wrapped__()
+    for changed in ("decode.cu.j2", "kv_formats.cuh", "tensor_map.py"):
+        monkeypatch.setattr(Path, "read_bytes", lambda self, name=changed: read(self) + (b"//" if self.name == name else b""))
+        assert keys.code_version.__wrapped__() != before, changed
+    monkeypatch.setattr(Path, "read_bytes", read)
+    assert keys.code_version.__wrapped__() == before

@@ -31,12 +31,10 @@ from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_pl
                    span_plan, wants_packed_heads, whole_row_ctas)
 from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
-from .work_units import (BUFFER_HEADER, MERGE_FIELDS, ROUTE_FACTOR, UNIT_FIELDS, CostModel, UnitPlan,
+from .work_units import (BUFFER_HEADER, MERGE_FIELDS, PRIOR_COSTS, ROUTE_FACTOR, UNIT_FIELDS, CostModel, UnitPlan,
                          choose_kv_splits, may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
 
 _LOG2E = 1.4426950408889634
-#: The work-unit planner's built-in costs, which the routing to units was measured under.
-_PRIOR_COSTS = CostModel()
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
 _ALIGN = 16
 _MERGE_THREADS = 128
@@ -492,7 +490,7 @@ class DecodeAttention:
         if not may_route_to_units_unchecked(planned, max_planned, self.num_kv_heads, per_split, slots):  # in O(batch)
             return None
         units = self._unit_plan(planned, slots, self.unit_costs)
-        routed = units if self.unit_costs in (None, _PRIOR_COSTS) else self._unit_plan(planned, slots, None)
+        routed = units if self.unit_costs in (None, PRIOR_COSTS) else self._unit_plan(planned, slots, None)
         split_cost = split_plan_makespan(planned, self.num_kv_heads, per_split, slots)
         return units if split_cost > ROUTE_FACTOR * predicted_makespan(routed, planned) else None
 

@@ -78,8 +78,9 @@ class CostModel:
 
 #: CostModel's fields, in the order a tuned table lists them (`splitkv.autotune.tables.UnitCosts`).
 COST_FIELDS = tuple(f.name for f in dataclasses.fields(CostModel))
-#: The default costs, built once (a CostModel validates itself, so building one per plan costs µs).
-_DEFAULT_COSTS = CostModel()
+#: The built-in costs (the priors), built once (a CostModel validates itself, so building one per
+#: plan costs µs). The runtime's routing to units was measured under them.
+PRIOR_COSTS = CostModel()
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def choose_kv_splits(seq_lens, num_kv_heads: int, *, block_size: int, slots: int
     num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
     block_size = _positive_int("block_size", block_size)
     slots = _positive_int("slots", slots)
-    costs = costs if costs is not None else _DEFAULT_COSTS
+    costs = costs if costs is not None else PRIOR_COSTS
 
     row_tokens = np.repeat(lens, num_kv_heads)  # row r = sequence r // Hkv, K/V head r % Hkv
     row_blocks = -(-row_tokens // block_size)
@@ -292,14 +293,14 @@ def max_units(max_rows: int, slots: int, costs: CostModel | None = None) -> int:
     any plan may split its rows in proportion to their lengths (at most ``rows + slots`` pieces:
     the pieces average at least a slot's load over the slots). Merges number at most the rows."""
     max_rows, slots = _positive_int("max_rows", max_rows), _positive_int("slots", slots)
-    costs = costs if costs is not None else _DEFAULT_COSTS
+    costs = costs if costs is not None else PRIOR_COSTS
     searched = min(max_rows, SPLIT_WAVES * slots - 1)
     return max(max_rows + slots, searched * costs.max_ways, slots)
 
 
 def predicted_makespan(plan: UnitPlan, seq_lens, costs: CostModel | None = None) -> float:
     """The cost model's makespan of ``plan`` for these lengths (LPT over its units, plus the merge)."""
-    costs = costs if costs is not None else _DEFAULT_COSTS
+    costs = costs if costs is not None else PRIOR_COSTS
     tokens = unit_tokens(plan, seq_lens)
     total = lpt_makespan(tokens + costs.unit_overhead, plan.slots)
     return total + float(_merge_cost(plan.num_partials, plan.slots, costs))
@@ -343,7 +344,7 @@ def may_route_to_units_unchecked(lens, max_len: int, num_kv_heads: int, tokens_p
                                  costs: CostModel | None = None) -> bool:
     """`may_route_to_units` of arguments the caller has checked (see `plan.plan_splits_unchecked`):
     ``lens`` an int64 array, ``max_len`` its longest."""
-    costs = costs if costs is not None else _DEFAULT_COSTS
+    costs = costs if costs is not None else PRIOR_COSTS
     # Per sequence: each of its num_kv_heads rows has the same tokens and pieces (O(batch), not O(rows)).
     heads, per = num_kv_heads, tokens_per_split
     tokens = float(lens.sum()) * heads
@@ -360,7 +361,7 @@ def split_plan_makespan(seq_lens, num_kv_heads: int, tokens_per_split: int, slot
     """The cost model's makespan of a split plan (`plan.SplitPlan`): every row cut into pieces of
     ``tokens_per_split`` tokens (one piece per row for a dense plan: pass the longest length), one
     CTA each, in LPT order on ``slots`` slots. Merges are left out (clusters merge in place)."""
-    costs = costs if costs is not None else _DEFAULT_COSTS
+    costs = costs if costs is not None else PRIOR_COSTS
     row_tokens, per, pieces = _split_pieces(seq_lens, num_kv_heads, tokens_per_split)
     last = row_tokens - (pieces - 1) * per
     full = np.full(int((pieces - 1).sum()), per, dtype=np.int64)

@@ -475,7 +475,7 @@ def _tune_unit_costs(args, arch, gpu) -> int:
     print(f"{'workload':24s} {'built-in µs':>12s} {'tuned µs':>9s}")
     for name, (tuned, prior) in outcome.workloads_us.items():
         print(f"{name:24s} {prior:12.2f} {tuned:9.2f}")
-    kept = "the built-in costs" if outcome.costs == unit_costs.CostModel() else "tuned costs"
+    kept = "the built-in costs" if outcome.costs == unit_costs.PRIOR_COSTS else "tuned costs"
     print(f"geometric mean: {outcome.default_us:.2f} µs built-in, {outcome.tuned_us:.2f} µs with {kept}: "
           f"{outcome.costs.as_dict()}")
     result = tables.UnitCosts(outcome.costs, outcome.tuned_us, outcome.default_us, outcome.trials, tables.today(),

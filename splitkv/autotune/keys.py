@@ -158,6 +158,10 @@ def study_name(prefix: str, gpu_name: str, arch: str, key: TuneKey, bucket: Buck
     return f"{prefix}{gpu_file_stem(gpu_name)}-{arch}-{key.label}-{bucket.name}" + (f"-{version}" if version else "")
 
 
+#: Host modules (besides the templates) whose code changes what a measured program does.
+_READ_PATH_MODULES = ("tensor_map.py",)
+
+
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """8 hex digits of the splitkv version, the templates and the tensor maps' encoding: a study
@@ -171,10 +175,6 @@ def code_version() -> str:
     for path in [*templates, *(root / name for name in _READ_PATH_MODULES)]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:8]
-
-
-#: Host modules (besides the templates) whose code changes what a measured program does.
-_READ_PATH_MODULES = ("tensor_map.py",)
 
 
 #: The modules whose code decides how a candidate is planned on a bucket (what it launches).

@@ -3,7 +3,7 @@
 The work-unit planner (`splitkv.work_units.choose_kv_splits`) predicts a plan's makespan from a cost
 model (`work_units.CostModel`): a fixed overhead per unit, the merge program's fixed cost and its
 cost per partial, and the predicted gain a split plan must show before it replaces the unsplit one.
-Its defaults are priors. This search sets them from measurements on the GPU at hand:
+Its PRIOR_COSTS are priors. This search sets them from measurements on the GPU at hand:
 
 - each candidate cost model plans a fixed set of ragged batches (`WORKLOADS`, 8 K/V heads of
   head_dim 128, group 4, bf16) as ``plan(variant="units")`` plans them, with the programs the
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..work_units import CostModel, choose_kv_splits
+from ..work_units import PRIOR_COSTS, CostModel, choose_kv_splits
 from .keys import REFERENCE_KV_HEADS, TuneKey
 
 #: The batches measured: (name, lengths), 8 K/V heads each. Two partial waves of whole rows, a
@@ -107,8 +107,7 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     optuna = _optuna()
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)
     study = optuna.create_study(direction="minimize", sampler=sampler)
-    defaults = CostModel()
-    study.enqueue_trial(params_of(defaults))
+    study.enqueue_trial(params_of(PRIOR_COSTS))
     known: dict = {}  # plans -> (geometric mean µs, per workload) or None (failed)
     launchers: dict = {}  # plans -> every candidate that launched them
     measured = asks = 0
@@ -133,13 +132,13 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
         else:
             study.tell(trial, known[launched][0])
-    prior_plans = plans(defaults)
+    prior_plans = plans(PRIOR_COSTS)
     if known.get(prior_plans) is None:
         raise RuntimeError("the built-in unit costs' plans failed their check; nothing to compare against")
     best = min((k for k in known if known[k] is not None), key=lambda k: known[k][0])
     if best == prior_plans:  # one search figure each: nothing to confirm against
         us, per = known[prior_plans]
-        return Outcome(defaults, us, us, measured, {name: (t, t) for name, t in per.items()})
+        return Outcome(PRIOR_COSTS, us, us, measured, {name: (t, t) for name, t in per.items()})
     # Every candidate that launched the best plans launches the same on the workloads; on other
     # batches they may differ, so the one nearest the priors is kept (the least change measured).
     chosen = min(launchers[best], key=_distance_from_priors)
@@ -148,7 +147,7 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     try:
         for r in range(CONFIRM_ROUNDS):
             for which in (("best", "prior") if r % 2 == 0 else ("prior", "best")):
-                rounds[which].append(measure(chosen if which == "best" else defaults, 2))
+                rounds[which].append(measure(chosen if which == "best" else PRIOR_COSTS, 2))
     except ContextLost:
         raise
     except TrialFailed as e:
@@ -156,7 +155,7 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
             raise RuntimeError(f"the built-in unit costs' plans failed their check when measured again: {e}") from e
         _say(log, f"the best candidate failed its check when measured again ({e}): keeping the built-in costs")
         us, per = known[prior_plans]
-        return Outcome(defaults, us, us, measured, {name: (t, t) for name, t in per.items()})
+        return Outcome(PRIOR_COSTS, us, us, measured, {name: (t, t) for name, t in per.items()})
     best_us = float(np.median([m[0] for m in rounds["best"]]))
     prior_us = float(np.median([m[0] for m in rounds["prior"]]))
     per = {name: (float(np.median([m[1][name] for m in rounds["best"]])),
@@ -165,13 +164,12 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
         return Outcome(chosen, best_us, prior_us, measured, per)
     _say(log, f"the best candidate ({best_us:.2f} µs) is not {MARGIN:.0%} faster than the built-in costs "
               f"({prior_us:.2f} µs) when measured again: keeping the built-in costs")
-    return Outcome(defaults, prior_us, prior_us, measured, {name: (p, p) for name, (_, p) in per.items()})
+    return Outcome(PRIOR_COSTS, prior_us, prior_us, measured, {name: (p, p) for name, (_, p) in per.items()})
 
 
 def _distance_from_priors(costs: CostModel) -> float:
     """How far ``costs`` lie from the priors, each field in units of its searched range."""
-    priors = CostModel()
-    return sum(((getattr(costs, name) - getattr(priors, name)) / (high - low)) ** 2
+    return sum(((getattr(costs, name) - getattr(PRIOR_COSTS, name)) / (high - low)) ** 2
                for name, (low, high, _) in SPACE.items())
 
 
@@ -204,7 +202,7 @@ class GpuMeasure:
         # the units program of the tuned entry nearest it, if any: the costs do not change which).
         self.geometry = []
         for inp in self.inputs:
-            _, probe = self._planned(CostModel(), inp)
+            _, probe = self._planned(PRIOR_COSTS, inp)
             self.geometry.append((probe.block_size, probe.slots))
 
     def plans(self, costs: CostModel) -> tuple:

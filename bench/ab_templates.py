@@ -1,13 +1,14 @@
 """A/B of two versions of the decode templates: the package's against an older copy, same plan.
 
 Each version is compiled the way the package compiles (`load_kernel` with its NVRTC options and
-headers); the old one from the templates in OLD_DIR (decode.cu.j2, merge.cuh, primitives.cuh, e.g.
-written there with `git show REV:splitkv/templates/FILE`). Both run the plan the package makes for
+headers); the old one from the templates in OLD_DIR (decode.cu.j2 and the *.cuh headers, e.g.
+written there with `git show REV:splitkv/templates/FILE`). Quantized shapes (``:fp8``, ``:nvfp4``)
+read caches quantized on the GPU, as the benchmark's do. Both run the plan the package makes for
 the shape, in rounds of alternating order (old new, new old, ...), each round the median of
 ``--iters`` calls under the benchmark's protocol; the table gives the median of the rounds, their
 range, and the largest difference between the two outputs (the old one's as reference).
 
-    python bench/ab_templates.py OLD_DIR --shapes 1:8:1:128:64k 1:16:2:256:16k [--rounds 4]
+    python bench/ab_templates.py OLD_DIR --shapes 1:8:1:128:64k 1:16:2:256:16k 1:32:8:128:16k:fp8 [--rounds 4]
 
 The old program must take the same kernel parameters as the new. Needs a GPU and CuPy.
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from variants import round_order  # noqa: E402
 
-HEADERS = ("primitives.cuh", "merge.cuh")
+HEADERS = ("primitives.cuh", "merge.cuh")  # required; any other *.cuh in OLD_DIR is passed along too
 
 
 def old_source(spec, old_dir: Path) -> tuple[str, dict[str, str]]:
@@ -39,7 +40,7 @@ def old_source(spec, old_dir: Path) -> tuple[str, dict[str, str]]:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(old_dir)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     source = env.get_template("decode.cu.j2").render(**template_parameters(spec))
-    return source, {name: (Path(old_dir) / name).read_text() for name in HEADERS}
+    return source, {path.name: path.read_text() for path in Path(old_dir).glob("*.cuh")}
 
 
 def old_kernel(spec, old_dir: Path):
@@ -54,18 +55,19 @@ def main(argv=None) -> int:
     import cupy
 
     from splitkv import DecodeAttention
-    from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
+    from splitkv.bench import Harness, parse_shapes, random_qkv
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old_dir", type=Path, help="directory with the old decode.cu.j2, merge.cuh, primitives.cuh")
-    parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L (L may be written 4k)")
+    parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L[:fp8|:nvfp4] (L may be written 4k)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args(argv)
     harness = Harness(args.iters, 5, 256 << 20)
+    harness.flush_us = harness.flush_time_us()  # enough flushes a call to keep the queue ahead of the GPU
     for shape in parse_shapes(args.shapes):
-        q, k, v, out = random_bf16_qkv(shape)
-        attn = DecodeAttention(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim)
+        q, k, v, out = random_qkv(shape)
+        attn = DecodeAttention(shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, kv_dtype=shape.kv_dtype)
         attn.plan([shape.seq_len] * shape.batch, stream=harness.stream)
         launch = attn._launch
         fns = {"old": old_kernel(launch.spec, args.old_dir), "new": launch.decode_fn}

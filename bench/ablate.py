@@ -9,6 +9,9 @@ design; they are only timed, never used.
     python bench/ablate.py --shapes 1:32:8:128:16k --splits 16
     python bench/ablate.py --shapes 1:32:8:128:64k:fp8 1:32:8:128:64k:nvfp4   # the dequantization
 
+"last tile's math skipped" awaits each warp's last tile without computing it: the math that
+follows the end of the stream, where nothing hides it.
+
 Needs a GPU and CuPy; results print as a table (see BENCHMARKS.md for a run).
 """
 
@@ -37,6 +40,18 @@ def _stream_only(source: str) -> str:
     source = _cut(source, "        // S = Q K^T", "        if constexpr (WAIT_V_LATER) {")
     pv = "        // O^T += V^T P^T" if "        // O^T += V^T P^T" in source else "        // O += P V"
     return _cut(source, pv, "        __syncwarp();  // every lane has read this stage")
+
+
+#: The last tile of each warp is awaited but not computed: what its math adds after the stream ends
+#: (no tile follows to hide it behind). Programs with stolen tiles loop differently; not for them.
+_LAST_TILE_WAIT = "        wait_tile(t, WAIT_V_LATER ? 0 : 1);\n"
+
+
+def _last_tile_math_skipped(source: str) -> str:
+    if "constexpr int STEAL = 0;" not in source:
+        raise ValueError("the last-tile ablation needs a program without stolen tiles")
+    return _swap(_LAST_TILE_WAIT, _LAST_TILE_WAIT + "        if (t == my_tiles - 1) {  // ablation: awaited, not computed\n"
+                 "            wait_tile(t, 1);\n            __syncwarp();\n            break;\n        }\n")(source)
 
 
 def _swap(old: str, new: str):
@@ -72,12 +87,18 @@ QUANTIZED_ABLATIONS = {
     },
 }
 
+#: The tile loop's math, for every K/V format.
+LOOP_ABLATIONS = {
+    "stream-only (no math)": _stream_only,
+    "last tile's math skipped": _last_tile_math_skipped,
+}
+
 #: name -> source patch. Each removes one part of the program from the critical path.
 ABLATIONS = {
     "no length read (length = L)": _swap("min(seq_lens[batch_idx], max_len)", "max_len"),
     "no Q loads": _swap("        if (row >= GROUP) return 0u;\n", "        return 0x3f803f80u;\n"),
     "no global merge tail": _swap("    if (!FUSED_MERGE) return;\n", "    return;\n"),
-    "stream-only (no math)": _stream_only,
+    **LOOP_ABLATIONS,
     "no cluster merge (each CTA exits)": _swap("        splitkv::cluster_wait();  // every member's inbox",
                                                "        return;\n        splitkv::cluster_wait();  // every member's inbox"),
     "no epilogue (exit after the stream)": _swap("    if constexpr (STEAL == 0) drain(prefetched);\n",
@@ -109,7 +130,7 @@ def main(argv=None) -> int:
         q, k, v, out = random_qkv(shape)
         ablations = dict(ABLATIONS)
         if shape.quantized:
-            ablations = {**QUANTIZED_ABLATIONS[shape.kv_dtype], "stream-only (no math)": _stream_only}
+            ablations = {**QUANTIZED_ABLATIONS[shape.kv_dtype], **LOOP_ABLATIONS}
         attn = DecodeAttention(hq, hkv, d, kv_dtype=shape.kv_dtype)
         variant = "split" if args.splits else None
         attn.plan([n] * b, variant=variant, num_splits=args.splits, stream=harness.stream)

@@ -668,7 +668,7 @@ def test_template_ab_renders_an_old_directory_as_the_package_renders():
     for spec in (default_spec("sm_90", 128, 8).replace(cluster=16), default_spec("sm_90", 256, 8)):
         source, headers = ab.old_source(spec, folder)
         assert source == render(spec)
-        assert {name: headers[name] for name in ab.HEADERS} == {name: helper_headers()[name] for name in ab.HEADERS}
+        assert headers == helper_headers()  # every header the package passes, kv_formats.cuh among them
 
 
 def test_timeline_group_ends_gives_each_groups_last_stream_end():
@@ -684,3 +684,36 @@ def test_timeline_group_ends_gives_each_groups_last_stream_end():
     assert line == "  streamed by SM group (CTAs@last end, µs): 0: 2@7.5, 1: 2@16.0"
     stamps[:, 3, 1] = 0  # a CTA that never streamed is not counted: group 1 ran one CTA in each sample
     assert "1: 1@16.0" in timeline.group_ends(stamps, [[0, 1, 2, 3], [4, 5, 6, 7]])
+
+
+def test_warp_phases_counts_every_phase_of_the_rendered_programs():
+    # The per-warp counters are patched in at anchors: a kernel edit that moves one must fail here.
+    from splitkv.codegen.render import render
+    from splitkv.heuristics import default_spec
+
+    tool = _bench_tool("warp_phases")
+    specs = [default_spec("sm_90", 128, 4, "bf16", kv) for kv in ("bf16", "fp8_e4m3", "nvfp4")]
+    specs += [default_spec("sm_90", 256, 16), default_spec("sm_80", 128, 4), default_spec("sm_90", 128, 4, page_size=16)]
+    for spec in specs:
+        source = tool.patched_source(render(spec), 64, spec.warps)
+        for phase in ("K wait", "S + softmax", "V wait", "P V"):
+            assert f"phase_sum[{tool.SLOTS.index(phase)}] += now - phase_mark" in source, (spec.name, phase)
+        assert f"phase_sum[{tool.SLOTS.index('first wait')}] = phase_mark - wait_start" in source
+        assert f"mine[{tool.SLOTS.index('loop')}] = clock64() - loop_start" in source
+        assert f"splitkv_phases[64][{spec.warps}][{len(tool.SLOTS)}]" in source
+    with pytest.raises(ValueError, match="stolen tiles"):
+        tool.patched_source(render(default_spec("sm_90", 128, 4).replace(steal_tiles=2)), 64, 4)
+
+
+def test_warp_phases_summary_is_per_tile_and_leaves_out_idle_warps():
+    tool = _bench_tool("warp_phases")
+    sums = np.zeros((2, 3, 4, len(tool.SLOTS)), np.int64)  # samples, CTAs, warps, slots
+    for name, cycles in (("loop", 2000), ("K wait", 300), ("S + softmax", 800), ("V wait", 100), ("P V", 600),
+                         ("first wait", 150), ("tiles", 2)):
+        sums[..., tool.SLOTS.index(name)] = cycles
+    sums[:, 2, :, :] = 0  # a CTA past the length: its warps stream nothing and are left out
+    sums[0, 0, 0, tool.SLOTS.index("loop")] = 5000  # the slowest warp
+    assert tool.summarise(sums, 1000.0) == [
+        "  loop per warp: median 2.00 µs, slowest 5.00; 2 tiles; waiting 20% (first tile 0.15 µs)",
+        "  per tile, cycles: K wait 150  S + softmax 400  V wait 50  P V 300"]
+    assert tool.summarise(np.zeros_like(sums), 1000.0) == ["  no warp streamed a tile"]

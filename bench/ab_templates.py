@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from splitkv.bench import Harness, parse_shapes, random_qkv
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("old_dir", type=Path, help="directory with the old decode.cu.j2, merge.cuh, primitives.cuh")
+    parser.add_argument("old_dir", type=Path, help="directory with the old decode.cu.j2 and *.cuh headers")
     parser.add_argument("--shapes", nargs="+", required=True, help="B:Hq:Hkv:D:L[:fp8|:nvfp4] (L may be written 4k)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=50)

@@ -42,15 +42,21 @@ def _stream_only(source: str) -> str:
     return _cut(source, pv, "        __syncwarp();  // every lane has read this stage")
 
 
-#: The last tile of each warp is awaited but not computed: what its math adds after the stream ends
-#: (no tile follows to hide it behind). Programs with stolen tiles loop differently; not for them.
-_LAST_TILE_WAIT = "        wait_tile(t, WAIT_V_LATER ? 0 : 1);\n"
+#: A tile's first wait in the loop (its K, or the whole tile), once per program.
+TILE_WAIT = "        wait_tile(t, WAIT_V_LATER ? 0 : 1);\n"
+
+
+def require_static_tiles(source: str, patch_name: str) -> None:
+    """Raises unless ``source`` loops over a warp's own tiles: stolen tiles loop differently."""
+    if "constexpr int STEAL = 0;" not in source:
+        raise ValueError(f"{patch_name}: programs with stolen tiles are not patched")
 
 
 def _last_tile_math_skipped(source: str) -> str:
-    if "constexpr int STEAL = 0;" not in source:
-        raise ValueError("the last-tile ablation needs a program without stolen tiles")
-    return _swap(_LAST_TILE_WAIT, _LAST_TILE_WAIT + "        if (t == my_tiles - 1) {  // ablation: awaited, not computed\n"
+    """The last tile of each warp awaited but not computed: what its math adds after the stream
+    ends (no tile follows to hide it behind)."""
+    require_static_tiles(source, "the last-tile ablation")
+    return _swap(TILE_WAIT, TILE_WAIT + "        if (t == my_tiles - 1) {  // ablation: awaited, not computed\n"
                  "            wait_tile(t, 1);\n            __syncwarp();\n            break;\n        }\n")(source)
 
 

@@ -27,13 +27,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ablate import TILE_WAIT, require_static_tiles  # noqa: E402
 from variants import parse_variant, planned_attention  # noqa: E402
 
 #: Per warp, the sums the patched program writes (cycles, but the tile count).
 SLOTS = ("loop", "K wait", "S + softmax", "V wait", "P V", "first wait", "tiles")
 
 _LOOP = "    for (int t = 0; t < my_tiles; ++t) {\n"
-_WAIT_K = "        wait_tile(t, WAIT_V_LATER ? 0 : 1);\n"
 _WAIT_V = "        if constexpr (WAIT_V_LATER) {\n            wait_tile(t, 1);\n"
 _TILE_END = "        __syncwarp();  // every lane has read this stage before it is refilled\n    }\n"
 _AFTER_LOOP = "    if constexpr (STEAL == 0) drain(prefetched);\n"
@@ -51,19 +51,18 @@ def _stamp(slot: str, indent: str) -> str:
 
 def patched_source(source: str, num_ctas: int, warps: int) -> str:
     """The rendered decode program with per-warp phase counters (see the module notes)."""
-    if "constexpr int STEAL = 0;" not in source:
-        raise ValueError("warp_phases: programs with stolen tiles are not patched")
+    require_static_tiles(source, "warp_phases")
     head, sep, body = source.partition('#include "merge.cuh"\n')
     if not sep:
         raise ValueError("warp_phases: the decode program's include anchor moved")
     out = head + sep + f"__device__ long long splitkv_phases[{num_ctas}][{warps}][{len(SLOTS)}];\n" + body
-    for anchor in (_LOOP, _WAIT_K, _WAIT_V, _TILE_END, _AFTER_LOOP):
+    for anchor in (_LOOP, TILE_WAIT, _WAIT_V, _TILE_END, _AFTER_LOOP):
         if out.count(anchor) != 1:
             raise ValueError(f"warp_phases: anchor not found once in the rendered program: {anchor!r}")
     first_wait = SLOTS.index("first wait")
     out = out.replace(_LOOP, _COUNTERS.format(n=len(SLOTS)) + _LOOP
                       + "        phase_mark = clock64();\n        const long long wait_start = phase_mark;\n")
-    out = out.replace(_WAIT_K, _WAIT_K + _stamp("K wait", "        ")
+    out = out.replace(TILE_WAIT, TILE_WAIT + _stamp("K wait", "        ")
                       + f"        if (t == 0) phase_sum[{first_wait}] = phase_mark - wait_start;\n")
     out = out.replace(_WAIT_V, _stamp("S + softmax", "        ") + _WAIT_V + _stamp("V wait", "            "))
     out = out.replace(_TILE_END, "        __syncwarp();  // every lane has read this stage before it is refilled\n"

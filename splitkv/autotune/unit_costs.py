@@ -19,9 +19,9 @@ Its PRIOR_COSTS are priors. This search sets them from measurements on the GPU a
   the priors are kept, with the figures that kept them.
 
 The result goes into the GPU's table as ``unit_costs`` (`tables.UnitCosts`); `DecodeAttention`
-plans its work units with it on that GPU unless it is given costs or ``tuned=False``. The routing
-of ragged batches to units (`work_units.may_route_to_units`) uses the same costs; the workloads
-measure the units plans themselves.
+plans its work units with it on that GPU unless it is given costs or ``tuned=False``. Whether the
+default planner routes a ragged batch to units stays decided under the priors, which its routing
+factor (`work_units.ROUTE_FACTOR`) was measured with; the workloads measure the units plans themselves.
 """
 
 from __future__ import annotations
@@ -137,8 +137,7 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
         raise RuntimeError("the built-in unit costs' plans failed their check; nothing to compare against")
     best = min((k for k in known if known[k] is not None), key=lambda k: known[k][0])
     if best == prior_plans:  # one search figure each: nothing to confirm against
-        us, per = known[prior_plans]
-        return Outcome(PRIOR_COSTS, us, us, measured, {name: (t, t) for name, t in per.items()})
+        return _priors_kept(known[prior_plans], measured)
     # Every candidate that launched the best plans launches the same on the workloads; on other
     # batches they may differ, so the one nearest the priors is kept (the least change measured).
     chosen = min(launchers[best], key=_distance_from_priors)
@@ -154,8 +153,7 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
         if which == "prior":
             raise RuntimeError(f"the built-in unit costs' plans failed their check when measured again: {e}") from e
         _say(log, f"the best candidate failed its check when measured again ({e}): keeping the built-in costs")
-        us, per = known[prior_plans]
-        return Outcome(PRIOR_COSTS, us, us, measured, {name: (t, t) for name, t in per.items()})
+        return _priors_kept(known[prior_plans], measured)
     best_us = float(np.median([m[0] for m in rounds["best"]]))
     prior_us = float(np.median([m[0] for m in rounds["prior"]]))
     per = {name: (float(np.median([m[1][name] for m in rounds["best"]])),
@@ -165,6 +163,12 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     _say(log, f"the best candidate ({best_us:.2f} µs) is not {MARGIN:.0%} faster than the built-in costs "
               f"({prior_us:.2f} µs) when measured again: keeping the built-in costs")
     return Outcome(PRIOR_COSTS, prior_us, prior_us, measured, {name: (p, p) for name, (_, p) in per.items()})
+
+
+def _priors_kept(figures: tuple, measured: int) -> Outcome:
+    """The priors kept on their one search figure ``(geometric mean µs, {workload: µs})``."""
+    us, per = figures
+    return Outcome(PRIOR_COSTS, us, us, measured, {name: (t, t) for name, t in per.items()})
 
 
 def _distance_from_priors(costs: CostModel) -> float:

@@ -11,6 +11,7 @@ Ablations (bench/ablate.py) say what a part costs; this says where in the launch
     python bench/timeline.py --shapes 1:32:8:128:64k --placement 3   # where the clusters ran
     python bench/timeline.py --shapes 1:32:8:128:64k --placement 1 --variants "" "splits=16,cluster=1"
     python bench/timeline.py --shapes 64:32:8:128:1k --around        # the time outside the stamps
+    python bench/timeline.py --shapes 1:32:8:128:16k:fp8 --spread --variants "" "splits=8,cluster=1"
 
 Needs a GPU and CuPy. The stamps add a few instructions per phase, not per tile.
 """
@@ -162,6 +163,43 @@ def group_ends(stamps: np.ndarray, groups: list[list[int]]) -> str:
     return "  streamed by SM group (CTAs@last end, µs): " + ", ".join(cells)
 
 
+def stream_spread(stamps: np.ndarray) -> list[str]:
+    """Lines that say whether the CTAs' stream ends (phase 1) spread by chance or by where the CTAs
+    ran: the spread within a launch; the ends of CTAs whose TPC partner SM ran a CTA of the same
+    launch against those whose partner was idle (SMs 2k and 2k + 1 share a TPC on sm_90, as the
+    cluster layout's SM groups show); and each SM's mean offset from its launch's median end over
+    the samples (the part of the spread that follows the SM, not the launch). CTAs that never
+    streamed are left out."""
+    start = first_start(stamps)
+    ended = (stamps[:, :, 1] > 0) & (stamps[:, :, _SM_SLOT] > 0)
+    ends = np.where(ended, (stamps[:, :, 1] - start[:, None]) / 1e3, np.nan)
+    sms = stamps[:, :, _SM_SLOT].astype(np.int64) - 1
+    spread = np.nanmax(ends, axis=1) - np.nanmin(ends, axis=1)
+    rows = [f"  stream ends within a launch: median spread (last - first) {np.median(spread):.2f} µs"]
+    partner_busy = np.zeros(ends.shape, dtype=bool)
+    offsets: dict[int, list[float]] = {}
+    for i, (sample_ends, sample_sms, sample_ended) in enumerate(zip(ends, sms, ended)):
+        used = set(sample_sms[sample_ended].tolist())
+        partner_busy[i] = [int(sm) ^ 1 in used for sm in sample_sms]
+        median = np.nanmedian(sample_ends)
+        for sm, end in zip(sample_sms[sample_ended], sample_ends[sample_ended]):
+            offsets.setdefault(int(sm), []).append(float(end - median))
+    busy, idle = ended & partner_busy, ended & ~partner_busy
+    line = f"  TPC partner SM busy for {busy.sum() / max(ended.sum(), 1):.0%} of the CTAs"
+    if busy.any() and idle.any():
+        line += f"; median stream end {np.median(ends[busy]):.2f} µs with, {np.median(ends[idle]):.2f} without"
+    rows.append(line)
+    means = sorted((float(np.mean(v)), sm) for sm, v in offsets.items())
+    if means:
+        spread_of_means = np.std([m for m, _ in means])
+        within = np.nanstd(ends - np.nanmedian(ends, axis=1, keepdims=True))
+        rows.append(f"  per SM mean offset from the launch's median end: std {spread_of_means:.2f} µs against "
+                    f"{within:.2f} for single CTAs; earliest "
+                    + " ".join(f"{sm}:{m:+.2f}" for m, sm in means[:3]) + ", latest "
+                    + " ".join(f"{sm}:{m:+.2f}" for m, sm in means[-3:]))
+    return rows
+
+
 #: A one-thread kernel that stamps the global timer: launched right before and right after the
 #: decode with --around, it shows the time outside the decode's own stamps (its launch, and after
 #: the last stamp its CTAs' remaining work, their exit and the next launch).
@@ -233,6 +271,9 @@ def main(argv=None) -> int:
                         help="also print, for the first N samples, the SM group each cluster ran on "
                              "(splitkv.cluster_layout) and when it finished streaming, and per SM group "
                              "when its CTAs finished streaming (all samples)")
+    parser.add_argument("--spread", action="store_true",
+                        help="also say whether the CTAs' stream ends spread by chance or by where they ran "
+                             "(TPC partner busy or idle, each SM's mean offset; see stream_spread)")
     parser.add_argument("--around", action="store_true",
                         help="also stamp the timer in a kernel right before and right after the decode")
     args = parser.parse_args(argv)
@@ -259,6 +300,8 @@ def main(argv=None) -> int:
             if stamp_kernel is not None:
                 before, after = outside.T
                 print(around(stamps, before, after), flush=True)
+            if args.spread:
+                print("\n".join(stream_spread(stamps)), flush=True)
             if groups is not None:
                 print(group_ends(stamps, groups))
                 print("\n".join(placement(stamps[:args.placement], attn._launch.spec.cluster, groups)), flush=True)

@@ -686,6 +686,29 @@ def test_timeline_group_ends_gives_each_groups_last_stream_end():
     assert "1: 1@16.0" in timeline.group_ends(stamps, [[0, 1, 2, 3], [4, 5, 6, 7]])
 
 
+def test_timeline_stream_spread_separates_the_sm_part_from_the_launch_part():
+    timeline = _bench_tool("timeline")
+    # Two samples, four CTAs on SMs 0 and 1 (one TPC) and 4 and 6 (partners 5 and 7 idle); each SM
+    # ends at the same offset from its launch's median in both samples: the spread follows the SM.
+    stamps = np.zeros((2, 4, timeline._SLOTS), np.int64)
+    stamps[:, :, 0] = 1000
+    stamps[0, :, 1] = [5000, 7000, 9000, 11000]   # 4, 6, 8, 10 µs after the start; median 7
+    stamps[1, :, 1] = [6000, 8000, 10000, 12000]  # 5, 7, 9, 11; median 8
+    stamps[:, :, timeline._SM_SLOT] = [1, 2, 5, 7]
+    rows = timeline.stream_spread(stamps)
+    assert rows[0] == "  stream ends within a launch: median spread (last - first) 6.00 µs"
+    assert rows[1] == "  TPC partner SM busy for 50% of the CTAs; median stream end 5.50 µs with, 9.50 without"
+    assert rows[2] == ("  per SM mean offset from the launch's median end: std 2.24 µs against 2.24 for single CTAs; "
+                       "earliest 0:-3.00 1:-1.00 4:+1.00, latest 1:-1.00 4:+1.00 6:+3.00")
+    # A CTA that never streamed (on SM 1) is left out, and its SM is no busy partner of SM 0's.
+    quiet = stamps.copy()
+    quiet[:, 1, 1] = 0
+    assert timeline.stream_spread(quiet)[1] == "  TPC partner SM busy for 0% of the CTAs"
+    # SMs swapped in the second sample: each SM's offsets cancel, the single CTAs' do not.
+    stamps[1, :, timeline._SM_SLOT] = [7, 5, 2, 1]
+    assert "std 0.00 µs against 2.24 for single CTAs" in timeline.stream_spread(stamps)[2]
+
+
 def test_warp_phases_counts_every_phase_of_the_rendered_programs():
     # The per-warp counters are patched in at anchors: a kernel edit that moves one must fail here.
     from splitkv.codegen.render import render

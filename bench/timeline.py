@@ -177,26 +177,25 @@ def stream_spread(stamps: np.ndarray) -> list[str]:
     spread = np.nanmax(ends, axis=1) - np.nanmin(ends, axis=1)
     rows = [f"  stream ends within a launch: median spread (last - first) {np.median(spread):.2f} µs"]
     partner_busy = np.zeros(ends.shape, dtype=bool)
-    offsets: dict[int, list[float]] = {}
-    for i, (sample_ends, sample_sms, sample_ended) in enumerate(zip(ends, sms, ended)):
-        used = set(sample_sms[sample_ended].tolist())
-        partner_busy[i] = [int(sm) ^ 1 in used for sm in sample_sms]
-        median = np.nanmedian(sample_ends)
-        for sm, end in zip(sample_sms[sample_ended], sample_ends[sample_ended]):
-            offsets.setdefault(int(sm), []).append(float(end - median))
+    for i, (sample_sms, sample_ended) in enumerate(zip(sms, ended)):
+        streaming = set(sample_sms[sample_ended].tolist())
+        partner_busy[i] = [int(sm) ^ 1 in streaming for sm in sample_sms]
     busy, idle = ended & partner_busy, ended & ~partner_busy
     line = f"  TPC partner SM busy for {busy.sum() / max(ended.sum(), 1):.0%} of the CTAs"
     if busy.any() and idle.any():
         line += f"; median stream end {np.median(ends[busy]):.2f} µs with, {np.median(ends[idle]):.2f} without"
     rows.append(line)
-    means = sorted((float(np.mean(v)), sm) for sm, v in offsets.items())
-    if means:
-        spread_of_means = np.std([m for m, _ in means])
-        within = np.nanstd(ends - np.nanmedian(ends, axis=1, keepdims=True))
-        rows.append(f"  per SM mean offset from the launch's median end: std {spread_of_means:.2f} µs against "
-                    f"{within:.2f} for single CTAs; earliest "
-                    + " ".join(f"{sm}:{m:+.2f}" for m, sm in means[:3]) + ", latest "
-                    + " ".join(f"{sm}:{m:+.2f}" for m, sm in means[-3:]))
+    if ended.any():
+        offset = (ends - np.nanmedian(ends, axis=1, keepdims=True))[ended]  # from the CTA's launch's median
+        sm_ids, which = np.unique(sms[ended], return_inverse=True)
+        means = np.bincount(which, offset) / np.bincount(which)  # per SM, over the samples
+        order = np.argsort(means, kind="stable")
+
+        def listed(picks):
+            return " ".join(f"{sm_ids[i]}:{means[i]:+.2f}" for i in picks)
+
+        rows.append(f"  per SM mean offset from the launch's median end: std {np.std(means):.2f} µs against "
+                    f"{np.std(offset):.2f} for single CTAs; earliest {listed(order[:3])}, latest {listed(order[-3:])}")
     return rows
 
 

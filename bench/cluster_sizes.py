@@ -7,6 +7,7 @@ variant in every position of the call order. Each variant's output is compared w
 tried. This is how `plan.WHOLE_ROW_SHARE` was measured (BENCHMARKS.md).
 
     python bench/cluster_sizes.py 1:32:8:128:64k@8,9 2:32:8:128:4k@4,5 1:32:32:128:64k
+    python bench/cluster_sizes.py 1:32:8:128:16k:fp8@8,9 --rounds 6   # quantized caches as the benchmark's
 """
 
 from __future__ import annotations
@@ -54,14 +55,18 @@ def main(argv=None) -> int:
     import cupy
 
     from splitkv import DecodeAttention, runtime
-    from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
+    from splitkv.bench import Harness, parse_shapes, random_qkv
     from splitkv.floor import ReadFloor
     from splitkv.heuristics import default_spec
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shapes", nargs="+", help="B:Hq:Hkv:D:L, optionally @size,size,...")
+    parser.add_argument("shapes", nargs="+", help="B:Hq:Hkv:D:L[:fp8|:nvfp4], optionally @size,size,...")
     parser.add_argument("--iters", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="timing rounds, each variant's order rotated by one a round (default: one per variant)")
     args = parser.parse_args(argv)
+    if args.rounds < 0:
+        parser.error("--rounds: expected 0 (one round per variant) or a positive int")
     sizes = [[int(s) for s in text.partition("@")[2].split(",") if s] for text in args.shapes]
     shapes = parse_shapes([text.partition("@")[0] for text in args.shapes])
     arch = "sm_" + cupy.cuda.Device().compute_capability
@@ -72,22 +77,24 @@ def main(argv=None) -> int:
     for shape, wanted in zip(shapes, sizes):
         batch, hq, hkv, dim, length = (shape.batch, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                                        shape.seq_len)
-        q, k, v, out = random_bf16_qkv(shape)
+        q, k, v, out = random_qkv(shape)  # K/V quantized on the GPU for :fp8 and :nvfp4 shapes
         with harness.active():
             floor_us = statistics.median(harness.time(floor.reader(shape.total_bytes)))
         print(f"{shape.label}: read floor {floor_us:.2f} µs", flush=True)
-        spec = default_spec(arch, dim, hq // hkv)
+        kv_dtype = shape.kv_dtype
+        spec = default_spec(arch, dim, hq // hkv, kv_dtype=kv_dtype)
         if not wanted:
-            top = largest_resident(DecodeAttention(hq, hkv, dim), batch * hkv)
+            top = largest_resident(DecodeAttention(hq, hkv, dim, kv_dtype=kv_dtype), batch * hkv)
             wanted = sorted({s for s in (top, 8, 4) if top is not None and s <= top}, reverse=True)
         variants = []
         for size in [None, *wanted]:
             if size is None:
-                attn = DecodeAttention(hq, hkv, dim)
+                attn = DecodeAttention(hq, hkv, dim, kv_dtype=kv_dtype)
                 attn.plan([length] * batch, stream=harness.stream)
             else:
                 # Chunks of one tile, so that the split count can match the cluster size.
-                attn = DecodeAttention(hq, hkv, dim, spec=spec.replace(cluster=16, chunk_size=spec.tile_tokens))
+                attn = DecodeAttention(hq, hkv, dim, kv_dtype=kv_dtype,
+                                       spec=spec.replace(cluster=16, chunk_size=spec.tile_tokens))
                 try:
                     with whole_row_clusters(runtime, size):
                         attn.plan([length] * batch, variant="split", num_splits=size, stream=harness.stream)
@@ -100,7 +107,7 @@ def main(argv=None) -> int:
                 harness.synchronize()
             variants.append(("planner" if size is None else f"clusters of {size}", attn, result))
         times = [[] for _ in variants]
-        for round_index in range(len(variants)):
+        for round_index in range(args.rounds or len(variants)):
             for i in round_order(len(variants), round_index):
                 attn = variants[i][1]
                 with harness.active():

@@ -44,18 +44,13 @@ def _stream_only(source: str) -> str:
 
 #: A tile's first wait in the loop (its K, or the whole tile), once per program.
 TILE_WAIT = "        wait_tile(t, WAIT_V_LATER ? 0 : 1);\n"
-
-
-def require_static_tiles(source: str, patch_name: str) -> None:
-    """Raises unless ``source`` loops over a warp's own tiles: stolen tiles loop differently."""
-    if "constexpr int STEAL = 0;" not in source:
-        raise ValueError(f"{patch_name}: programs with stolen tiles are not patched")
+#: The line after the loop over a warp's tiles, once per program.
+STREAM_END = "    drain(prefetched);  // the rings are reused below: nothing may still be landing in them\n"
 
 
 def _last_tile_math_skipped(source: str) -> str:
     """The last tile of each warp awaited but not computed: what its math adds after the stream
     ends (no tile follows to hide it behind)."""
-    require_static_tiles(source, "the last-tile ablation")
     return _swap(TILE_WAIT, TILE_WAIT + "        if (t == my_tiles - 1) {  // ablation: awaited, not computed\n"
                  "            wait_tile(t, 1);\n            __syncwarp();\n            break;\n        }\n")(source)
 
@@ -107,8 +102,7 @@ ABLATIONS = {
     **LOOP_ABLATIONS,
     "no cluster merge (each CTA exits)": _swap("        splitkv::cluster_wait();  // every member's inbox",
                                                "        return;\n        splitkv::cluster_wait();  // every member's inbox"),
-    "no epilogue (exit after the stream)": _swap("    if constexpr (STEAL == 0) drain(prefetched);\n",
-                                                 "    if constexpr (STEAL == 0) drain(prefetched);\n    if (len >= 0) return;\n"),
+    "no epilogue (exit after the stream)": _swap(STREAM_END, STREAM_END + "    if (len >= 0) return;\n"),
     "nothing (exit at once)": _swap("    __shared__ unsigned long long inbox_full;",
                                     "    __shared__ unsigned long long inbox_full; if (max_len > 0) return;"),
 }

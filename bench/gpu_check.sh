@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a kernel change needs on a GPU host, in one go and in this order: the GPU test suite
 # (stops here if it fails), the benchmark with the read-floor sweep (extra arguments go to it, e.g.
-# --specs steal_tiles=1 --iters 100), the per-phase timeline and the ablations. Logs, the JSON
+# --specs kv_copy=cp_async --iters 100), the per-phase timeline and the ablations. Logs, the JSON
 # result and a BENCHMARKS.md section land in OUTDIR. GPU_CHECK_STEPS picks steps (default all:
 # tests,bench,timeline,ablate), e.g. to fit each call of a time-limited GPU host.
 #

@@ -31,8 +31,7 @@ from variants import parse_variant, planned_attention  # noqa: E402
 #: Phase stamps in program order; a CTA that skips a phase (no merge, not the last) leaves it 0.
 #: In rows of several clusters, phases 3 and 4 are those of the second, global stage where a CTA
 #: reaches it (the cluster stage's stamps are overwritten), and "done" is stamped by each slice's
-#: last CTA (without clusters, by the row's last CTA). With span_rows
-#: a CTA stamps phases 2-5 once per row it meets; the second row's stamps are kept.
+#: last CTA (without clusters, by the row's last CTA).
 PHASES = ("start", "all warps streamed", "warps combined", "pushed / partials written", "merge inputs ready",
           "done")
 _SLOTS = 8
@@ -59,7 +58,6 @@ _AFTER = (
     ("    __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox\n", 0),
     ("    sum_lanes();\n    __syncthreads();\n", 1),
     ("    combine_warps(combined);\n    __syncthreads();\n", 2),
-    ("        combine_warps(state);\n        __syncthreads();\n", 2),  # span: per row, the last one's kept
     ("        __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed\n", 4),
 )

@@ -13,8 +13,7 @@ in between.
     python bench/warp_phases.py --shapes 1:32:8:128:16k:fp8 1:32:8:128:64k:nvfp4
     python bench/warp_phases.py --shapes 1:32:8:128:16k:fp8 --variants "" "warps=8,tile_tokens=32,stages=2"
 
-Needs a GPU and CuPy. Programs with stolen tiles loop differently and are not patched. The
-counters add a few instructions per tile.
+Needs a GPU and CuPy. The counters add a few instructions per tile.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ablate import TILE_WAIT, require_static_tiles  # noqa: E402
+from ablate import STREAM_END, TILE_WAIT  # noqa: E402
 from variants import parse_variant, planned_attention  # noqa: E402
 
 #: Per warp, the sums the patched program writes (cycles, but the tile count).
@@ -36,7 +35,6 @@ SLOTS = ("loop", "K wait", "S + softmax", "V wait", "P V", "first wait", "tiles"
 _LOOP = "    for (int t = 0; t < my_tiles; ++t) {\n"
 _WAIT_V = "        if constexpr (WAIT_V_LATER) {\n            wait_tile(t, 1);\n"
 _TILE_END = "        __syncwarp();  // every lane has read this stage before it is refilled\n    }\n"
-_AFTER_LOOP = "    if constexpr (STEAL == 0) drain(prefetched);\n"
 
 # `phase_mark` is the cycle count at the end of the last phase counted; each stamp adds the cycles
 # since then to a phase. The V wait's stamps sit inside `if constexpr (WAIT_V_LATER)`: a program
@@ -51,12 +49,11 @@ def _stamp(slot: str, indent: str) -> str:
 
 def patched_source(source: str, num_ctas: int, warps: int) -> str:
     """The rendered decode program with per-warp phase counters (see the module notes)."""
-    require_static_tiles(source, "warp_phases")
     head, sep, body = source.partition('#include "merge.cuh"\n')
     if not sep:
         raise ValueError("warp_phases: the decode program's include anchor moved")
     out = head + sep + f"__device__ long long splitkv_phases[{num_ctas}][{warps}][{len(SLOTS)}];\n" + body
-    for anchor in (_LOOP, TILE_WAIT, _WAIT_V, _TILE_END, _AFTER_LOOP):
+    for anchor in (_LOOP, TILE_WAIT, _WAIT_V, _TILE_END, STREAM_END):
         if out.count(anchor) != 1:
             raise ValueError(f"warp_phases: anchor not found once in the rendered program: {anchor!r}")
     first_wait = SLOTS.index("first wait")
@@ -72,7 +69,7 @@ def patched_source(source: str, num_ctas: int, warps: int) -> str:
              f"        for (int i = 0; i < {len(SLOTS) - 1}; ++i) mine[i] = phase_sum[i];\n"
              f"        mine[{SLOTS.index('loop')}] = clock64() - loop_start;\n"
              f"        mine[{SLOTS.index('tiles')}] = my_tiles;\n    }}\n")
-    return out.replace(_AFTER_LOOP, write + _AFTER_LOOP)
+    return out.replace(STREAM_END, write + STREAM_END)
 
 
 def summarise(sums: np.ndarray, mhz: float) -> list[str]:

@@ -95,12 +95,6 @@ class SplitPlan:
     ``num_splits`` is the longest row's split count, or more when the grid is padded to whole
     thread-block clusters (see ``fit_clusters``).
 
-    ``row_tokens > 0`` marks a plan whose CTAs span rows (see ``span_plan``): the rows'
-    ``row_tokens``-token ranges lie end to end and CTA c streams tokens ``[c, c + 1) x
-    tokens_per_split`` of that line, which may cover the end of one row and the start of the next;
-    ``num_splits`` is then the most CTAs any row is covered by, and ``splits_per_seq[b]`` the most
-    of any of sequence b's rows.
-
     ``heads_per_cta > 1`` (dense only, see ``pack_heads``): each CTA serves that many consecutive
     K/V heads of one sequence, one per warp, so the grid has ``num_kv_heads / heads_per_cta`` CTAs
     per sequence.
@@ -111,7 +105,6 @@ class SplitPlan:
     num_splits: int
     splits_per_seq: np.ndarray
     num_ctas: int
-    row_tokens: int = 0
     heads_per_cta: int = 1
 
     def __post_init__(self):
@@ -136,8 +129,7 @@ class SplitPlan:
         return hash((self._scalars(), self.splits_per_seq.tobytes()))
 
     def _scalars(self) -> tuple:
-        return (self.variant, self.tokens_per_split, self.num_splits, self.num_ctas, self.row_tokens,
-                self.heads_per_cta)
+        return (self.variant, self.tokens_per_split, self.num_splits, self.num_ctas, self.heads_per_cta)
 
 
 def plan_splits(seq_lens, num_kv_heads, *, chunk_size, num_sms, ctas_per_sm, max_splits=None,
@@ -344,56 +336,13 @@ def pack_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int) -> SplitPlan:
                          f"{warps} warps")
     # What dataclasses.replace(plan, heads_per_cta=..., num_ctas=...) builds, without its field lookups.
     return SplitPlan(plan.variant, plan.tokens_per_split, plan.num_splits, plan.splits_per_seq,
-                     plan.num_ctas // warps, plan.row_tokens, heads_per_cta=warps)
-
-
-def span_plan(seq_lens, num_kv_heads, *, tile_tokens, num_ctas):
-    """A split plan in which every CTA streams the same number of tiles, whichever rows they lie in.
-
-    The rows (sequence b, K/V head h; row b x num_kv_heads + h) are each cut into ``row_tiles``
-    tiles of ``tile_tokens`` (enough for the longest sequence) and laid end to end; CTA c streams
-    tiles ``[c, c + 1) x per_cta`` of that line. With ``per_cta`` at most ``row_tiles``, a CTA
-    covers the end of one row and the start of the next at most, and ``num_ctas`` CTAs (about:
-    the count is rounded so that all of them get ``per_cta`` tiles but the last) share the work
-    exactly, instead of in whole rows' splits: 8 K/V heads fill 132 SMs, not 128. Each row's CTAs
-    write one partial each, merged by the row's last to finish. Rows shorter than the longest
-    still take ``row_tiles`` tiles of the line (their tail streams nothing), so ragged batches
-    balance less well than uniform ones.
-    """
-    lens = _check_lens(seq_lens)
-    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
-    tile_tokens = _positive_int("tile_tokens", tile_tokens)
-    num_ctas = _positive_int("num_ctas", num_ctas)
-    rows = lens.size * num_kv_heads
-    row_tiles = max(1, _ceil_div(int(lens.max()), tile_tokens))
-    total = rows * row_tiles
-    per_cta = min(_ceil_div(total, num_ctas), row_tiles)
-    plan = SplitPlan("split", per_cta * tile_tokens, 1, np.ones(lens.size, dtype=np.int32),
-                     _ceil_div(total, per_cta), row_tokens=row_tiles * tile_tokens)
-    _, counts = span_row_ctas(plan, rows)
-    return dataclasses.replace(plan, num_splits=int(counts.max()),
-                               splits_per_seq=counts.reshape(lens.size, num_kv_heads).max(axis=1))
-
-
-def span_row_ctas(plan: SplitPlan, num_rows: int):
-    """For a ``span_plan``: (first CTA, number of CTAs) of every row, as int64 arrays. Row r's
-    partials sit in slots 0 .. count - 1, slot i written by CTA first + i (the kernel's arithmetic)."""
-    if plan.row_tokens <= 0:
-        raise ValueError("plan: not a span plan (row_tokens is 0)")
-    # In tokens; both are whole tiles, so this equals the kernel's arithmetic in tiles.
-    r = np.arange(num_rows, dtype=np.int64)
-    first = r * plan.row_tokens // plan.tokens_per_split
-    last = ((r + 1) * plan.row_tokens - 1) // plan.tokens_per_split
-    return first, last - first + 1
+                     plan.num_ctas // warps, heads_per_cta=warps)
 
 
 def describe(plan: SplitPlan) -> str:
     """One line for logs, e.g. 'split: B=2, 6 x 1024 tokens (splits/seq 3..6), 96 CTAs'."""
     counts = plan.splits_per_seq
     batch = counts.size
-    if plan.row_tokens:
-        return (f"split across rows: B={batch}, {plan.num_ctas} CTAs of {plan.tokens_per_split} tokens over rows of "
-                f"{plan.row_tokens} (up to {plan.num_splits} CTAs per row)")
     if plan.variant == "dense":
         heads = f", {plan.heads_per_cta} K/V heads per CTA" if plan.heads_per_cta > 1 else ""
         return f"dense: B={batch}, up to {plan.tokens_per_split} tokens, {plan.num_ctas} CTAs{heads}"

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from .plan import _positive_int, span_row_ctas
+from .plan import _positive_int
 
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
@@ -127,43 +127,9 @@ def merge_partials(partial_o, partial_lse2, splits_per_seq=None):
     return out, lse
 
 
-def span_partials(q, k, v, seq_lens, plan, sm_scale=None):
-    """What the split program writes under a ``span_plan``: per (sequence, slot) partials as in
-    `split_partials`, where slot i of row (b, h) holds the part of the row that the row's i-th CTA
-    streams (the CTAs' token ranges laid over the rows end to end); slots past a row's CTAs hold
-    zeros and ``-inf``."""
-    q, k, v, lens, scale = _prepare(q, k, v, seq_lens, sm_scale)
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    group = num_q_heads // num_kv_heads
-    rows = batch * num_kv_heads
-    first, counts = span_row_ctas(plan, rows)
-    partial_o = np.zeros((batch, plan.num_splits, num_q_heads, head_dim))
-    partial_lse2 = np.full((batch, plan.num_splits, num_q_heads), -np.inf)
-    for r in range(rows):
-        b, h = divmod(r, num_kv_heads)
-        heads = slice(h * group, (h + 1) * group)
-        for i in range(int(counts[r])):
-            c = int(first[r]) + i
-            lo = max(c * plan.tokens_per_split, r * plan.row_tokens) - r * plan.row_tokens
-            hi = min((c + 1) * plan.tokens_per_split, (r + 1) * plan.row_tokens) - r * plan.row_tokens
-            hi = min(hi, int(lens[b]))
-            if hi <= lo:
-                continue  # the CTA's part of the row lies past its length: an empty partial
-            logits = np.einsum("gd,td->gt", q[b, heads], k[b, lo:hi, h]) * scale
-            out, lse = _softmax_v(logits, v[b, lo:hi, h], "gt,td->gd")
-            partial_o[b, i, heads] = out
-            partial_lse2[b, i, heads] = lse * _LOG2E
-    return partial_o, partial_lse2
-
-
 def emulate_split_decode(q, k, v, seq_lens, plan, sm_scale=None):
     """Run ``plan`` (a ``splitkv.plan.SplitPlan``) on the CPU: split partials, then the exact merge."""
-    if plan.row_tokens:
-        partial_o, partial_lse2 = span_partials(q, k, v, seq_lens, plan, sm_scale)
-    else:
-        partial_o, partial_lse2 = split_partials(
-            q, k, v, seq_lens, plan.tokens_per_split, plan.num_splits, sm_scale)
+    partial_o, partial_lse2 = split_partials(q, k, v, seq_lens, plan.tokens_per_split, plan.num_splits, sm_scale)
     return merge_partials(partial_o, partial_lse2, plan.splits_per_seq)
 
 

@@ -28,8 +28,8 @@ from .heuristics import (default_spec, few_splits_max_bytes, resident_ctas_per_s
                          takes_whole_row_clusters)
 from .quantize import QuantizedKV
 from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_plan, pack_heads, plan_splits_unchecked,
-                   span_plan, wants_packed_heads, whole_row_ctas)
-from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, TILE_COUNTER_STRIDE, KernelSpec, MergeSpec
+                   wants_packed_heads, whole_row_ctas)
+from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 from .work_units import (BUFFER_HEADER, MERGE_FIELDS, PRIOR_COSTS, ROUTE_FACTOR, UNIT_FIELDS, CostModel, UnitPlan,
                          choose_kv_splits, may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
@@ -78,7 +78,6 @@ class _Launch:
     workspace: tuple  # (partial_o, partial_lse, counters), None where unused, kept alive here
     seq_lens_ptr: np.uint64
     workspace_ptrs: tuple
-    span_args: tuple = ()  # span_rows programs: (rows, tiles per row, partial slots per row) as int32
     empty_kv_ptr: int = 0  # tma with every length 0: one tile of memory for maps of an empty cache
     table: _BlockTable | None = None  # paged caches: the block table the plan reads through
     units: _UnitTables | None = None  # units plans: the work-unit tables on the device
@@ -345,11 +344,6 @@ class DecodeAttention:
                                          multi_cluster=self.split_spec.fused_merge,
                                          whole_row_ctas=whole_row_ctas(self.num_sms) if self._whole_row_clusters else None)
             spec = program.in_clusters(cluster)
-            if spec.span_rows:
-                # Equal shares of all rows' tiles: as many CTAs as are resident (or as the forced
-                # split count asks for).
-                slots = self.num_sms * ctas_per_sm if variant is None else plan.num_ctas
-                plan = span_plan(planned, self.num_kv_heads, tile_tokens=spec.tile_tokens, num_ctas=slots)
         if spec.cluster > 1 and plan.num_splits != spec.cluster and not spec.fused_merge:
             # Several clusters per row leave one partial per cluster, which only the fused merge reads.
             raise RuntimeError(f"planner bug: {plan.num_splits} splits in clusters of {spec.cluster} "
@@ -363,36 +357,25 @@ class DecodeAttention:
         merge_fn = None
         if plan.variant == "split" and not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place
             merge_fn, _ = self._load(self.merge_spec)
-        grid, span_args = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch), ()
-        if not plan.row_tokens and max(grid[1], grid[2]) > _MAX_GRID_YZ:
+        grid = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch)
+        if max(grid[1], grid[2]) > _MAX_GRID_YZ:
             raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "
                              f"launch grid ({_MAX_GRID_YZ} sequences and K/V heads at most); split the batch")
-        if plan.row_tokens:  # CTAs span rows: a line of CTAs over all rows' tiles
-            grid = (plan.num_ctas, 1, 1)
-            span_args = (np.int32(batch * self.num_kv_heads), np.int32(plan.row_tokens // spec.tile_tokens),
-                         np.int32(plan.num_splits))
         partial_o = partial_lse = counters = None
         if plan.variant == "split":
             rows = batch * plan.num_splits * self.num_qo_heads
             partial_o = self._buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._buffer("partial_lse", rows, np.float32)
             # Merge counters [batch][num_kv_heads][cluster] (with several clusters per row, each
-            # cluster rank merges its slice of the row); when warps steal tiles, from the next
-            # whole line on, one tile counter per row, TILE_COUNTER_STRIDE ints apart.
-            rows_total = batch * self.num_kv_heads
-            num_counters = rows_total * spec.cluster
-            if spec.steal_tiles:
-                num_counters = (-(-num_counters // TILE_COUNTER_STRIDE) * TILE_COUNTER_STRIDE
-                                + rows_total * TILE_COUNTER_STRIDE)
-            if spec.fused_merge or spec.steal_tiles:
-                counters = self._buffer("counters", num_counters, np.int32, zero=True)
+            # cluster rank merges its slice of the row).
+            if spec.fused_merge:
+                counters = self._buffer("counters", batch * self.num_kv_heads * spec.cluster, np.int32, zero=True)
         table = self._write_table(checked_table) if self.page_size else None
         device_lens = self._device_lens(seq_lens, on_device, lens)
         workspace = (partial_o, partial_lse, counters)
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, batch, max_planned,
                                grid, device_lens, workspace, np.uint64(device_lens.data.ptr),
-                               _pointers(workspace), span_args,
-                               self._empty_kv_ptr(spec, max_planned), table)
+                               _pointers(workspace), self._empty_kv_ptr(spec, max_planned), table)
         self._validated_layout = None
         return plan
 
@@ -479,9 +462,8 @@ class DecodeAttention:
 
     def _units_pay(self, plan: SplitPlan, planned, max_planned: int, ctas_per_sm: int) -> UnitPlan | None:
         """The work-unit plan of these lengths (``planned``, the longest ``max_planned``) when the
-        cost model predicts it `ROUTE_FACTOR` times faster than the split planner's ``plan``
-        (user-given CTAs that span rows keep theirs)."""
-        if self.split_spec.span_rows or plan.heads_per_cta > 1:
+        cost model predicts it `ROUTE_FACTOR` times faster than the split planner's ``plan``."""
+        if plan.heads_per_cta > 1:
             return None
         slots = self.num_sms * ctas_per_sm
         per_split = plan.tokens_per_split if plan.variant == "split" else max(max_planned, 1)
@@ -546,8 +528,7 @@ class DecodeAttention:
         max_planned = int(host_lens.max(initial=0))
         self._launch = _Launch(plan, spec, decode_fn, merge_fn, lens.size, max_planned,
                                (max_units, 1, 1), device_lens, workspace, np.uint64(device_lens.data.ptr),
-                               _pointers(workspace), (),
-                               self._empty_kv_ptr(spec, max_planned), table, units)
+                               _pointers(workspace), self._empty_kv_ptr(spec, max_planned), table, units)
         self._validated_layout = None
         return plan
 
@@ -612,8 +593,6 @@ class DecodeAttention:
         if isinstance(p, UnitPlan):
             return (f"units: {len(p.units)} units ({p.num_partials} partials of {len(p.merges)} split rows) of "
                     f"{p.block_size}-token blocks on {p.slots} slots of {self.num_sms} SMs; {self._launch.spec.name}")
-        if p.row_tokens:
-            return f"{describe(p)} on {self.num_sms} SMs; {self._launch.spec.name}"
         return (f"{p.variant}: {p.num_splits} split(s) of {p.tokens_per_split} tokens, {p.num_ctas} CTAs "
                 f"on {self.num_sms} SMs; {self._launch.spec.name}")
 
@@ -719,7 +698,7 @@ class DecodeAttention:
             launch.grid, (spec.threads,),
             (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
              np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(tokens_per_split),
-             np.float32(self.sm_scale * _LOG2E), *launch.span_args, *maps, *quantized_args, *table_args,
+             np.float32(self.sm_scale * _LOG2E), *maps, *quantized_args, *table_args,
              units.ptr if units else np.uint64(0)),
             shared_mem=spec.smem_bytes)
         del map_bytes  # held until the launch has copied the maps

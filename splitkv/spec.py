@@ -49,10 +49,9 @@ STAGES = (2, 3, 4)
 #: (1: no cluster). Sizes above the portable limit of 8 are allowed per kernel at load time.
 CLUSTERS = tuple(range(1, 17))
 #: How K/V rows reach shared memory. cp_async: every lane copies 16-byte pieces (sm_80+).
-#: bulk: one cp.async.bulk per token row on the copy engine, counted on an mbarrier (sm_90+).
 #: tma: the copy engine fetches a tile's K and V as 2-D boxes of 128 bytes x tile_tokens rows,
 #: described by tensor maps the host encodes per cache (sm_90+, rows a whole number of boxes).
-KV_COPIES = ("cp_async", "bulk", "tma")
+KV_COPIES = ("cp_async", "tma")
 #: Bytes of a tensor-map box row: the span of the copy engine's 128-byte swizzle.
 TMA_BOX_BYTES = 128
 #: Rows over which the 128-byte swizzle repeats: a tensor-map box of a paged cache (one page, when
@@ -89,11 +88,6 @@ def hardware_e2m1(arch: str) -> bool:
     arch-specific targets from sm_100a on); elsewhere the NVFP4 programs decode it with integer ops."""
     arch = parse_arch(arch)
     return arch.endswith("a") and arch_number(arch) >= 100
-#: Tiles per draw from a row's tile counter (0: no stealing).
-STEAL_TILES = (0, 1, 2, 4, 8)
-#: Ints between two rows' tile counters, and the alignment of the first: one 128-byte L2 line per
-#: row, so rows draw without contending with each other or with the merge counters.
-TILE_COUNTER_STRIDE = 32
 #: What fills the 16 rows (M) of the m16n8k16 MMAs. heads: the query heads of the group (rows past
 #: the group are idle, so G = 4 uses a quarter of each MMA). tokens: 16 tokens per MMA, the query
 #: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.
@@ -170,15 +164,6 @@ class KernelSpec:
     the planner gives every split a whole number of chunks, so a split never starts mid-tile.
     ``cluster`` consecutive splits of a row run as one thread-block cluster (split variant only) and
     merge their partial results through distributed shared memory, without a trip to global memory.
-    ``span_rows``: the split program's CTAs stream equal shares of all rows' tiles laid end to end
-    (see ``plan.span_plan``), so a CTA may finish one row and start the next; a warp that crosses
-    keeps streaming and sets its first row's state aside. Needs cluster 1 and the fused merge.
-    ``steal_tiles`` (0: off): each warp streams the first ``stages - 1`` tiles of its split, then
-    draws blocks of ``steal_tiles`` tiles (taken from the row's splits in turn) from a per-row
-    counter, so that CTAs which stream faster take over the slower ones' tokens (the result then
-    depends on which warp took which tile, within rounding). Bigger blocks mean fewer atomics on the row's counter. A row's
-    clusters (its CTAs, without clusters) are also dealt out across the launch order (cluster i
-    serves row i % rows), so that each row's pool is drained from several GPCs.
     ``warp_heads`` (dense only): each warp serves its own K/V head over the whole sequence, so a
     CTA serves ``warps`` consecutive K/V heads of one sequence and its warps have nothing to
     combine. The planner takes it per plan (``plan.wants_packed_heads``, ``plan.pack_heads``);
@@ -201,9 +186,7 @@ class KernelSpec:
     fused_merge: bool = True
     cluster: int = 1
     kv_copy: str = "cp_async"
-    steal_tiles: int = 0
     mma_m: str = "heads"
-    span_rows: bool = False
     warp_heads: bool = False
     page_size: int = 0
     kv_layout: str = "NHD"
@@ -235,17 +218,11 @@ class KernelSpec:
             raise ValueError("fused_merge: the units program leaves split rows to the merge program; "
                              "use fused_merge=False")
         _check_choice("kv_copy", self.kv_copy, KV_COPIES)
-        if self.kv_copy in ("bulk", "tma") and arch_number(self.arch) < 90:
-            raise ValueError(f"kv_copy: '{self.kv_copy}' needs sm_90 or newer (cp.async.bulk), got arch {self.arch}")
+        if self.kv_copy == "tma" and arch_number(self.arch) < 90:
+            raise ValueError(f"kv_copy: 'tma' needs sm_90 or newer (cp.async.bulk.tensor), got arch {self.arch}")
         if self.kv_dtype in QUANTIZED_KV_DTYPES and arch_number(self.arch) < 89:
             raise ValueError(f"kv_dtype: {self.kv_dtype} K/V are converted with cvt.f16x2.e4m3x2, which needs sm_89 "
                              f"or newer; got arch {self.arch}")
-        if self.kv_dtype == "nvfp4" and self.kv_copy == "bulk":
-            raise ValueError("kv_copy: NVFP4 block scales arrive through cp.async beside tensor-map boxes "
-                             "or per-lane copies; use kv_copy='tma' or 'cp_async'")
-        if self.kv_dtype == "nvfp4" and self.kv_copy == "tma" and self.steal_tiles:
-            raise ValueError("steal_tiles: NVFP4 through tensor maps completes a stage with every lane's "
-                             "block-scale copies, which a stage left empty does not make; use kv_copy='cp_async'")
         if self.kv_dtype == "nvfp4" and self.head_dim % 64:
             raise ValueError(f"head_dim: NVFP4 programs copy each row's block scales as one 4-16 byte piece, "
                              f"so head_dim must be a multiple of 64; got {self.head_dim}")
@@ -260,20 +237,8 @@ class KernelSpec:
         if self.mma_m == "tokens" and self.group_size > 8:
             raise ValueError(f"mma_m: 'tokens' puts the query heads on the MMA's 8 columns; "
                              f"group_size {self.group_size} needs 'heads'")
-        if isinstance(self.steal_tiles, bool) or not isinstance(self.steal_tiles, int):
-            raise TypeError(f"steal_tiles: expected an int (tiles per draw; 0: off), got {self.steal_tiles!r}")
-        _check_choice("steal_tiles", self.steal_tiles, STEAL_TILES)
-        if self.steal_tiles and self.variant != "split":
-            raise ValueError("steal_tiles: needs the split variant")
-        if self.steal_tiles and not self.fused_merge:
-            raise ValueError("steal_tiles: the fused merge (or the cluster merge) resets the tile counters; "
-                             "use fused_merge=True")
-        for switch in ("fused_merge", "span_rows", "warp_heads"):
+        for switch in ("fused_merge", "warp_heads"):
             _check_bool(switch, getattr(self, switch))
-        if self.span_rows and (self.variant != "split" or self.cluster != 1 or not self.fused_merge
-                               or self.steal_tiles or self.kv_copy != "cp_async"):
-            raise ValueError("span_rows: needs the split variant with cluster=1, fused_merge=True, "
-                             "steal_tiles=0 and kv_copy='cp_async'")
         if self.warp_heads and self.variant != "dense":
             raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; use variant='dense'")
         self._check_paging()
@@ -293,11 +258,6 @@ class KernelSpec:
             if self.kv_layout != "NHD":
                 raise ValueError("kv_layout: contiguous caches are [batch, max_len, Hkv, D]; 'HND' needs a page_size")
             return
-        if self.span_rows or self.steal_tiles:
-            raise ValueError("page_size: paged caches are read by CTAs of one row and static tiles "
-                             "(span_rows=False, steal_tiles=0)")
-        if self.kv_copy == "bulk":
-            raise ValueError("kv_copy: paged caches are copied with 'cp_async' or 'tma'")
         if self.kv_copy == "tma" and self.page_size < TMA_SWIZZLE_ROWS:
             raise ValueError(f"kv_copy: 'tma' boxes of a paged cache hold whole pages of at least "
                              f"{TMA_SWIZZLE_ROWS} tokens (the swizzle's period); page_size {self.page_size} "
@@ -396,54 +356,32 @@ class KernelSpec:
         return (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16) * 4
 
     @property
-    def span_state_offset(self) -> int:
-        """span_rows: byte offset of the first row's warp states, set aside when a warp crosses
-        into the second row; past the rings (span programs have no cluster inbox)."""
-        return self.inbox_offset
-
-    @property
-    def span_q_offset(self) -> int:
-        """span_rows: byte offset of the second row's Q (16-byte aligned, past the set-aside states)."""
-        return self.span_state_offset + -(-self.combine_bytes // 16) * 16
-
-    @property
-    def span_bytes(self) -> int:
-        """span_rows: the shared memory past the rings for the set-aside states and the next Q."""
-        if not self.span_rows:
-            return 0
-        return self.span_q_offset + self.group_size * self.head_dim * 2 - self.span_state_offset
-
-    @property
     def static_smem_bytes(self) -> int:
-        """Shared memory the program declares statically (barriers, flags, per-stage tile starts),
-        on top of ``smem_bytes``; both count against the per-CTA limit. An upper bound."""
-        per_stage = (16 if self.kv_copy in ("bulk", "tma") else 0) + (4 if self.steal_tiles else 0)
-        # tma: up to 1024 bytes of padding put the dynamic rings on a 1024-byte boundary. Stolen
-        # tiles: ptxas was seen to place 4-8 bytes more than the per-stage count (alignment).
-        return (16 + self.warps * self.stages * per_stage + (1024 if self.kv_copy == "tma" else 0)
-                + (16 if self.steal_tiles else 0))
+        """Shared memory the program declares statically (barriers, flags), on top of
+        ``smem_bytes``; both count against the per-CTA limit. An upper bound."""
+        per_stage = 16 if self.kv_copy == "tma" else 0  # a stage's two mbarriers (K rows, V rows)
+        # tma: up to 1024 bytes of padding put the dynamic rings on a 1024-byte boundary.
+        return 16 + self.warps * self.stages * per_stage + (1024 if self.kv_copy == "tma" else 0)
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the rings (reused for the combine), then, in a cluster, the inbox
         where the other CTAs leave their partials (fp32) and log-sum-exps for this CTA's slice."""
         inbox = self.cluster * (self.cluster_slice + 16) * 4 if self.cluster > 1 else 0
-        return self.inbox_offset + inbox + self.span_bytes
+        return self.inbox_offset + inbox
 
     @property
     def name(self) -> str:
-        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-bulk' or '-tma'
-        appended when K/V arrive through bulk or tensor copies, '-st4' when warps steal tiles 4 at a time, '-mt' when
-        tokens fill the MMA rows, '-span' when CTAs span rows, '-wh' when each warp serves its own K/V head,
-        '-p16' for pages of 16 tokens, '-p16hnd' in the HND layout)."""
+        """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-tma' appended when
+        K/V arrive through tensor maps, '-mt' when tokens fill the MMA rows, '-wh' when each warp serves
+        its own K/V head, '-p16' for pages of 16 tokens, '-p16hnd' in the HND layout)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
                 + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}")
-                + (f"-st{self.steal_tiles}" if self.steal_tiles else "")
-                + ("-mt" if self.mma_m == "tokens" else "") + ("-span" if self.span_rows else "")
+                + ("-mt" if self.mma_m == "tokens" else "")
                 + ("-wh" if self.warp_heads else "")
                 + (f"-p{self.page_size}" + ("hnd" if self.kv_layout == "HND" else "") if self.paged else ""))
 
@@ -451,14 +389,12 @@ class KernelSpec:
         return dataclasses.replace(self, **changes)
 
     def as_dense(self) -> "KernelSpec":
-        """The dense program of the same CTA shape: the split-only choices (clusters, stolen tiles,
-        CTAs spanning rows) dropped."""
-        return self.replace(variant="dense", cluster=1, steal_tiles=0, span_rows=False)
+        """The dense program of the same CTA shape: the split-only choice (clusters) dropped."""
+        return self.replace(variant="dense", cluster=1)
 
     def as_units(self) -> "KernelSpec":
         """The units program of the same CTA shape (see VARIANTS)."""
-        return self.replace(variant="units", cluster=1, steal_tiles=0, span_rows=False, warp_heads=False,
-                            fused_merge=False)
+        return self.replace(variant="units", cluster=1, warp_heads=False, fused_merge=False)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -13,19 +13,43 @@ import faulthandler
 import os
 import sys
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 #: Exit status of a process the watchdog ended (distinct from pytest's own 1-5).
 EXIT_STATUS = 86
 
 
-def arm(seconds: float, what: str) -> threading.Timer:
-    """Start a deadline of ``seconds`` for ``what``; ``cancel()`` the returned timer when it is done."""
+def arm(seconds: float, what: str, *, before: Callable[[], None] | None = None,
+        also_to: Path | None = None) -> threading.Timer:
+    """Start a deadline of ``seconds`` for ``what``; ``cancel()`` the returned timer when it is done.
+
+    At expiry, ``before()`` runs first (pytest's output capture is suspended there, or the report
+    would go into a capture that the exit discards), then the report goes to stderr and, appended,
+    to the file ``also_to`` (which a parallel run's main process prints: a worker's stderr does not
+    reach the terminal).
+    """
 
     def expire():
-        sys.stderr.write(f"\nwatchdog: {what} still running after {seconds:g} s; ending the process "
-                         f"(a kernel that never finished?). Stacks:\n")
-        sys.stderr.flush()
-        faulthandler.dump_traceback(all_threads=True)
+        if before is not None:
+            try:
+                before()
+            except Exception:  # the report matters more than the capture's state
+                pass
+        message = (f"\nwatchdog: {what} still running after {seconds:g} s; ending the process "
+                   f"(a kernel that never finished?). Stacks:\n")
+        streams = [sys.stderr]
+        if also_to is not None:
+            try:
+                also_to.parent.mkdir(parents=True, exist_ok=True)
+                streams.append(open(also_to, "a"))
+            except OSError:
+                pass
+        for stream in streams:
+            stream.write(message)
+            stream.flush()
+            faulthandler.dump_traceback(file=stream, all_threads=True)
+            stream.flush()
         os._exit(EXIT_STATUS)
 
     timer = threading.Timer(seconds, expire)

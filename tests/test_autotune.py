@@ -258,6 +258,10 @@ SCHEMA_ERRORS = {
     "unknown entry field": (lambda d: d["entries"][0].update(speed=1.0), "entry 0: unknown entry fields.*speed"),
     "unknown spec field": (lambda d: d["entries"][0]["spec"].update(warpz=4), "entry 0: KernelSpec: unknown.*warpz"),
     "spec refused": (_overflowing_spec, "entry 0: CTA shape needs .* shared memory"),
+    # Fields of removed programs load only switched off (see the test below); a removed copy path is refused.
+    "retired field on": (lambda d: d["entries"][0]["spec"].update(steal_tiles=2), "entry 0: spec: steal_tiles=2"),
+    "retired switch on": (lambda d: d["entries"][0]["spec"].update(span_rows=True), "entry 0: spec: span_rows=True"),
+    "retired copy path": (lambda d: d["entries"][0]["spec"].update(kv_copy="bulk"), "entry 0: kv_copy: .*'bulk'"),
     "duplicate entries": (_duplicate_entry, "two entries for d128-g4-bf16-bf16-contiguous"),
 }
 
@@ -280,6 +284,19 @@ def test_load_names_the_file_and_what_is_wrong(tmp_path, case):
     message = str(raised.value)
     assert message.startswith(f"{path}: ")
     assert re.search(reason, message), message
+
+
+def test_a_table_written_before_the_retired_fields_went_still_loads():
+    """Older tables hold steal_tiles: 0 and span_rows: false in every spec (fields of programs since
+    removed, off): they load as the same programs, and are not written back."""
+    data = _valid_table_data()
+    specs = [item["spec"] for item in data["entries"] if item["spec"] is not None]
+    assert specs
+    for spec in specs:
+        spec.update(steal_tiles=0, span_rows=False)
+    table = tables.parse(data)
+    assert table.entries == tables.parse(_valid_table_data()).entries
+    assert "steal_tiles" not in tables.dump(table) and "span_rows" not in tables.dump(table)
 
 
 # ---- lookup -------------------------------------------------------------------------------------
@@ -587,7 +604,7 @@ def test_enumerated_candidates_are_valid_distinct_and_keep_the_key(key, arch):
         assert isinstance(s, KernelSpec) and KernelSpec.from_dict(s.to_dict()) == s
         assert {f: getattr(s, f) for f in key.spec_fields()} == key.spec_fields() and s.arch == arch
         assert s.chunk_size % (s.warps * s.tile_tokens) == 0
-        assert not s.steal_tiles and not s.span_rows and not s.warp_heads
+        assert not s.warp_heads
         if arch_number(arch) < 90:
             assert s.cluster == 1 and s.kv_copy == "cp_async"
 
@@ -606,16 +623,16 @@ def _heuristic_keys():
 
 def test_a_kernelspec_field_joins_the_space_by_one_line(monkeypatch):
     """A KernelSpec field named in FIELD_CHOICES is asked for, enumerated and enqueued with no other
-    code: here steal_tiles, which the shipped space leaves out."""
+    code: here warp_heads, which the shipped space leaves out (the planner takes it per plan)."""
     key = TuneKey(128, 4)
     before, _ = space.enumerate_specs(key, ARCH)
-    monkeypatch.setitem(space.FIELD_CHOICES, "steal_tiles", (0, 2))
+    monkeypatch.setitem(space.FIELD_CHOICES, "warp_heads", (False, True))
     after, _ = space.enumerate_specs(key, ARCH)
-    assert {s.steal_tiles for s in after} == {0, 2} and len(after) > len(before)
-    assert {s.name for s in after if not s.steal_tiles} == {s.name for s in before}
-    stealing = next(s for s in after if s.steal_tiles)
-    params = space.params_of(stealing, key, ARCH)
-    assert params["steal_tiles"] == 2 and space.build_spec(replay(params), key, ARCH) == stealing
+    assert {s.warp_heads for s in after} == {False, True} and len(after) > len(before)
+    assert {s.name for s in after if not s.warp_heads} == {s.name for s in before}
+    packed = next(s for s in after if s.warp_heads)
+    params = space.params_of(packed, key, ARCH)
+    assert params["warp_heads"] is True and space.build_spec(replay(params), key, ARCH) == packed
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80", "sm_89", "sm_120"])
@@ -642,8 +659,8 @@ def test_build_spec_refuses_an_overflowing_choice():
         space.build_spec(replay(answers), KEY, ARCH)
     with pytest.raises(ValueError, match="warps"):
         space.params_of(default_spec(ARCH, 128, 4).replace(warps=2, chunk_size=64), KEY, ARCH)
-    with pytest.raises(ValueError, match="steal|express"):
-        space.params_of(default_spec(ARCH, 128, 4).replace(steal_tiles=2), KEY, ARCH)
+    with pytest.raises(ValueError, match="express"):
+        space.params_of(default_spec(ARCH, 128, 4, variant="dense").replace(warp_heads=True), KEY, ARCH)
 
 
 def test_invalid_candidates_are_never_compiled():

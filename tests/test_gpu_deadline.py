@@ -29,6 +29,19 @@ def test_a_stuck_process_is_ended_with_the_test_named():
     assert elapsed < 20
 
 
+def test_the_report_follows_the_hook_and_is_kept_in_a_file(tmp_path):
+    # The conftest suspends pytest's capture in the hook, and a parallel run's main process prints
+    # the file: a worker's stderr never reaches the terminal.
+    report = tmp_path / "reports" / "gw0.txt"
+    done, _ = _run(f"from pathlib import Path\n"
+                   f"arm(0.5, 'GPU test t', before=lambda: sys.stderr.write('capture suspended\\n'), "
+                   f"also_to=Path({str(report)!r}))\ntime.sleep(30)")
+    assert done.returncode == EXIT_STATUS
+    assert done.stderr.index("capture suspended") < done.stderr.index("watchdog: GPU test t still running")
+    kept = report.read_text()
+    assert "watchdog: GPU test t still running after 0.5 s" in kept and 'File "<string>", line 4' in kept
+
+
 def test_a_cancelled_deadline_never_fires():
     done, _ = _run("timer = arm(0.5, 'quick')\ntimer.cancel()\ntime.sleep(1.5)\nprint('finished')")
     assert done.returncode == 0, done.stderr

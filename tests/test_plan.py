@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from splitkv.plan import (DENSE_SM_SHARE, FEW_SPLITS_MAX_BYTES, WARP_HEADS_SHARE, dense_regardless, SplitPlan, describe, fit_clusters, fixed_plan,
-                          pack_heads, plan_splits, span_plan, span_row_ctas, wants_packed_heads, whole_row_ctas)
+                          pack_heads, plan_splits, wants_packed_heads, whole_row_ctas)
 
 lens_lists = st.lists(st.integers(0, 200_000), min_size=1, max_size=64)
 # Short batches of short sequences on a small GPU reach the split path far more often.
@@ -454,48 +454,6 @@ def test_fit_clusters_invariants(problem, max_cluster, may_resplit, multi_cluste
             assert multi_cluster  # several clusters per row only where the fused merge is there
     if not may_resplit:
         assert chosen.tokens_per_split == plan.tokens_per_split and chosen.num_splits == plan.num_splits
-
-
-# ---- span plans: CTAs over all rows laid end to end ----------------------------------------------
-
-@settings(max_examples=300, deadline=None)
-@given(lens=st.one_of(lens_lists, short_lens_lists), num_kv_heads=st.integers(1, 16),
-       tile=st.sampled_from([16, 32, 64]), num_ctas=st.integers(1, 600))
-def test_span_plan_shares_every_tile_once_and_each_cta_meets_at_most_two_rows(lens, num_kv_heads, tile, num_ctas):
-    plan = span_plan(lens, num_kv_heads, tile_tokens=tile, num_ctas=num_ctas)
-    rows = len(lens) * num_kv_heads
-    row_tiles = plan.row_tokens // tile
-    per_cta = plan.tokens_per_split // tile
-    assert plan.variant == "split" and plan.row_tokens % tile == 0 and plan.tokens_per_split % tile == 0
-    assert plan.row_tokens >= max(lens) and row_tiles == max(1, -(-max(lens) // tile))
-    assert 1 <= per_cta <= row_tiles  # so a CTA meets at most two rows
-    total = rows * row_tiles
-    # The CTAs cover the line of tiles exactly, every CTA but the last with the same share.
-    assert (plan.num_ctas - 1) * per_cta < total <= plan.num_ctas * per_cta
-    # As many CTAs as asked for, or fewer: the shares are whole tiles, and no longer than a row.
-    assert plan.num_ctas <= max(num_ctas, -(-total // row_tiles))
-    first, counts = span_row_ctas(plan, rows)
-    # Row r's slots are its CTAs in order: the first is the one holding its first tile, the last
-    # the one holding its last tile; consecutive rows share at most their boundary CTA.
-    r = np.arange(rows)
-    assert np.array_equal(first, r * row_tiles // per_cta)
-    assert np.array_equal(first + counts - 1, ((r + 1) * row_tiles - 1) // per_cta)
-    assert np.all(np.diff(first) >= 0) and np.all(first[1:] >= first[:-1] + counts[:-1] - 1)
-    assert plan.num_splits == counts.max() and first[-1] + counts[-1] == plan.num_ctas
-    assert np.array_equal(plan.splits_per_seq, counts.reshape(len(lens), num_kv_heads).max(axis=1))
-    assert "across rows" in describe(plan)
-
-
-def test_span_plan_fills_132_sms_with_8_heads():
-    # The case it is for: 8 K/V heads of 64k tokens give 128 equal splits at most; spanning rows,
-    # 132 CTAs stream 4000 tokens each (the last 288), up to 18 per row.
-    plan = span_plan([65536], 8, tile_tokens=32, num_ctas=132)
-    assert (plan.num_ctas, plan.tokens_per_split, plan.row_tokens, plan.num_splits) == (132, 4000, 65536, 18)
-
-
-def test_span_row_ctas_refuses_a_plain_plan():
-    with pytest.raises(ValueError, match="span"):
-        span_row_ctas(fixed_plan([100], 2, variant="split", chunk_size=16, num_splits=3), 2)
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,12 +1,12 @@
 """The float64 reference against a naive loop, and the split + merge emulator against the reference."""
 
 import math
-import os
-import secrets
 import warnings
 
 import numpy as np
 import pytest
+
+import seeds
 
 from splitkv.plan import SplitPlan, plan_splits
 from splitkv.reference import (attention_reference, emulate_split_decode, merge_partials,
@@ -15,10 +15,8 @@ from splitkv.reference import (attention_reference, emulate_split_decode, merge_
 
 @pytest.fixture
 def rng(request):
-    # Fresh inputs every run; the seed is printed (shown on failure) and SPLITKV_TEST_SEED replays it.
-    seed = int(os.environ.get("SPLITKV_TEST_SEED") or secrets.randbits(63))
-    print(f"{request.node.name}: SPLITKV_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
+    # Fresh inputs every run, from the run's seed (in the pytest header; SPLITKV_TEST_SEED replays it).
+    return seeds.rng(request.node.name)
 
 
 def make_inputs(rng, lens, num_kv_heads, group, head_dim=32, max_len=None, q_gain=1.0):
@@ -266,20 +264,3 @@ def test_emulator_runs_a_plan_padded_to_whole_clusters(rng):
     assert cluster == 16 and padded.num_splits > int(padded.splits_per_seq.max())
     q, k, v, lens = make_inputs(rng, lens, num_kv_heads=1, group=4, head_dim=16)
     assert_matches(*emulate_split_decode(q, k, v, lens, padded), *attention_reference(q, k, v, lens))
-
-
-@pytest.mark.parametrize("lens, num_kv_heads, tile, num_ctas", [
-    ([1000], 8, 32, 132),            # one long row per head: CTAs cross head boundaries
-    ([70, 0, 129, 5], 3, 16, 7),     # ragged and empty rows; CTAs no longer than a row
-    ([300, 300], 2, 16, 5),
-    ([64], 1, 16, 100),              # more CTAs asked for than tiles: one tile each
-])
-@pytest.mark.parametrize("group", [1, 4])
-def test_emulator_runs_a_span_plan(rng, lens, num_kv_heads, tile, num_ctas, group):
-    # span_plan: CTAs stream equal shares of all rows laid end to end; each row merges the partials
-    # of the CTAs that met it, whatever part of the row each had.
-    from splitkv.plan import span_plan
-
-    plan = span_plan(lens, num_kv_heads, tile_tokens=tile, num_ctas=num_ctas)
-    q, k, v, lens = make_inputs(rng, lens, num_kv_heads=num_kv_heads, group=group, head_dim=16)
-    assert_matches(*emulate_split_decode(q, k, v, lens, plan), *attention_reference(q, k, v, lens))

@@ -104,11 +104,10 @@ def _fake_device(monkeypatch, tmp_path):
     return Device
 
 
-@pytest.mark.parametrize("changes", [{}, {"cluster": 1, "span_rows": True, "kv_copy": "cp_async"},
-                                     {"kv_copy": "cp_async", "steal_tiles": 4}, {"cluster": 8}])
+@pytest.mark.parametrize("changes", [{}, {"cluster": 1, "kv_copy": "cp_async"}, {"cluster": 8}])
 def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, tmp_path, changes):
-    # The dense program derived from a caller's spec drops the split-only choices (clusters,
-    # stolen tiles, CTAs spanning rows) and keeps the CTA shape.
+    # The dense program derived from a caller's spec drops the split-only choice (clusters) and
+    # keeps the CTA shape.
     from splitkv import DecodeAttention, KernelSpec
 
     _fake_device(monkeypatch, tmp_path)
@@ -116,7 +115,7 @@ def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, tmp_path, cha
     attn = DecodeAttention(32, 8, 128, spec=spec)
     assert attn.split_spec == spec
     assert attn.dense_spec.variant == "dense" and attn.dense_spec.cluster == 1
-    assert not attn.dense_spec.steal_tiles and not attn.dense_spec.span_rows
+    assert attn.dense_spec.kv_copy == spec.kv_copy and attn.dense_spec.mma_m == spec.mma_m
     assert (attn.dense_spec.warps, attn.dense_spec.tile_tokens) == (spec.warps, spec.tile_tokens)
 
 

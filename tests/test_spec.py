@@ -22,7 +22,7 @@ def test_bad_arch(arch):
 @pytest.mark.parametrize("field, value", [
     ("head_dim", 80), ("group_size", 0), ("group_size", 17), ("q_dtype", "fp32"), ("kv_dtype", "int8"),
     ("variant", "paged"), ("warps", 3), ("tile_tokens", 8), ("stages", 1), ("chunk_size", 0),
-    ("chunk_size", 48), ("kv_copy", "tensor"), ("mma_m", "dims"),
+    ("chunk_size", 48), ("kv_copy", "tensor"), ("kv_copy", "bulk"), ("mma_m", "dims"),
 ])
 def test_bad_field_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -44,7 +44,7 @@ def test_names_differ_per_field():
     variants = [base.replace(head_dim=64), base.replace(group_size=8), base.replace(variant="dense"),
                 base.replace(fused_merge=False), base.replace(stages=3), base.replace(chunk_size=512),
                 base.replace(kv_dtype="fp16", q_dtype="fp16"), base.replace(arch="sm_100a"),
-                base.replace(kv_copy="bulk"), base.replace(cluster=8)]
+                base.replace(kv_copy="tma"), base.replace(cluster=8)]
     names = {s.name for s in [base, *variants]}
     assert len(names) == len(variants) + 1
 
@@ -52,6 +52,9 @@ def test_names_differ_per_field():
 def test_unknown_field_in_dict():
     with pytest.raises(ValueError, match="unknown"):
         KernelSpec.from_dict({**KernelSpec().to_dict(), "color": "red"})
+    for retired in ({"steal_tiles": 0}, {"span_rows": False}):  # programs that are gone, even switched off
+        with pytest.raises(ValueError, match="unknown"):
+            KernelSpec.from_dict({**KernelSpec().to_dict(), **retired})
 
 
 def test_merge_spec():
@@ -99,12 +102,6 @@ def test_default_shapes_fit_every_known_arch(arch):
         assert default_spec(f"sm_{arch}", 128, 4).tile_tokens == 32
 
 
-def test_bulk_copies_need_sm90():
-    assert KernelSpec(arch="sm_90", kv_copy="bulk").name.endswith("-bulk")
-    with pytest.raises(ValueError, match="kv_copy"):
-        KernelSpec(arch="sm_80", kv_copy="bulk")
-
-
 def test_tensor_copies_need_sm90_and_whole_boxes():
     spec = KernelSpec(arch="sm_90", kv_copy="tma")
     assert spec.name.endswith("-tma")
@@ -115,9 +112,6 @@ def test_tensor_copies_need_sm90_and_whole_boxes():
         KernelSpec(arch="sm_90", kv_copy="tma", head_dim=96)
     with pytest.raises(ValueError, match="boxes of 128 bytes"):  # FP8's 64-byte rows: no box
         KernelSpec(arch="sm_90", kv_copy="tma", head_dim=64, kv_dtype="fp8_e4m3", tile_tokens=64, chunk_size=256)
-    with pytest.raises(ValueError, match="cp_async"):  # span_rows copies with cp.async only
-        spec.replace(span_rows=True, cluster=1)
-    assert spec.replace(steal_tiles=1).steal_tiles == 1  # stealing works with tensor maps
     # The unpadded rings are smaller; the 1024-byte alignment of the rings counts as static memory.
     assert spec.smem_bytes < KernelSpec(arch="sm_90").smem_bytes
     assert spec.static_smem_bytes >= 1024
@@ -135,12 +129,6 @@ def test_nvfp4_rows_arrive_through_one_box_each_beside_per_lane_block_scales():
     assert spec.name.endswith("-tma") and spec.tma_box_bytes == 64
     assert default_spec("sm_90", 128, 4, kv_dtype="nvfp4").kv_copy == "tma"
     assert default_spec("sm_90", 128, 4, kv_dtype="nvfp4", page_size=4).kv_copy == "cp_async"
-    with pytest.raises(ValueError, match="use kv_copy='tma' or 'cp_async'"):
-        KernelSpec(**base, kv_copy="bulk")
-    # A stage completes on every lane's block-scale copies, which an empty stolen stage lacks.
-    with pytest.raises(ValueError, match="steal_tiles"):
-        KernelSpec(**base, kv_copy="tma", steal_tiles=1)
-    assert KernelSpec(**base, kv_copy="cp_async", steal_tiles=1).steal_tiles == 1
 
 
 def test_cluster_inbox_sits_past_the_rings_and_the_combine():
@@ -171,35 +159,6 @@ def test_every_cluster_size_covers_the_output_in_aligned_slices(cluster):
             assert f"-k{cluster}" in spec.name
 
 
-def test_steal_tiles_needs_split_and_a_counter_reset():
-    assert KernelSpec(steal_tiles=4).name.endswith("-st4")
-    assert not KernelSpec(steal_tiles=0).name.endswith("-st0")
-    for kv_copy in ("cp_async", "bulk", "tma"):  # any copy path: empty stages still complete a phase
-        assert KernelSpec(arch="sm_90", steal_tiles=2, kv_copy=kv_copy).steal_tiles == 2
-    for bad in ({"variant": "dense"}, {"fused_merge": False, "cluster": 1},
-                {"fused_merge": False, "cluster": 4}):
-        with pytest.raises(ValueError, match="steal_tiles"):
-            KernelSpec(steal_tiles=1, **bad)
-    with pytest.raises(ValueError, match="steal_tiles"):
-        KernelSpec(steal_tiles=3)
-    with pytest.raises(TypeError, match="steal_tiles"):
-        KernelSpec(steal_tiles=True)  # a count of tiles, not a switch
-
-
-def test_span_rows_needs_split_cluster_1_fused_merge_and_cp_async():
-    spec = KernelSpec(cluster=1, span_rows=True)
-    assert spec.name.endswith("-span") and not KernelSpec(cluster=1).name.endswith("-span")
-    # The first row's warp states and the second row's Q, past the rings.
-    assert spec.smem_bytes == KernelSpec(cluster=1).smem_bytes + spec.span_bytes
-    assert spec.span_bytes >= spec.combine_bytes + spec.group_size * spec.head_dim * 2
-    for bad in ({"variant": "dense"}, {"cluster": 2}, {"fused_merge": False}, {"steal_tiles": 2},
-                {"kv_copy": "bulk"}):
-        with pytest.raises(ValueError, match="span_rows"):
-            KernelSpec(**{"cluster": 1, "span_rows": True, **bad})
-    with pytest.raises(TypeError, match="span_rows"):
-        KernelSpec(cluster=1, span_rows=1)
-
-
 def test_warp_heads_is_a_dense_layout():
     spec = KernelSpec(variant="dense", warp_heads=True)
     assert spec.name.endswith("-wh") and not KernelSpec(variant="dense").name.endswith("-wh")
@@ -220,7 +179,7 @@ def test_static_shared_memory_counts_against_the_limit():
     # sm_86 allows 99 KB per CTA: a ring that fills it exactly leaves no room for the barriers.
     with pytest.raises(ValueError, match="shared memory"):
         KernelSpec(arch="sm_86", head_dim=256, warps=1, tile_tokens=32, stages=3, chunk_size=32)
-    spec = KernelSpec(kv_copy="bulk", steal_tiles=0)
+    spec = KernelSpec(kv_copy="tma")  # two mbarriers per ring stage
     assert spec.static_smem_bytes >= 16 * spec.warps * spec.stages
 
 
@@ -242,11 +201,6 @@ def test_paged_caches_are_named_and_checked():
         KernelSpec(kv_layout="HND")  # contiguous caches have one layout
     with pytest.raises(ValueError, match="kv_layout"):
         KernelSpec(page_size=16, kv_layout="NDH")
-    for bad in ({"span_rows": True, "cluster": 1}, {"steal_tiles": 1, "cluster": 1}):
-        with pytest.raises(ValueError, match="page_size"):
-            KernelSpec(page_size=16, **bad)
-    with pytest.raises(ValueError, match="kv_copy"):
-        KernelSpec(page_size=16, kv_copy="bulk")
     # A tensor-map box is a whole number of the swizzle's 8-row periods.
     KernelSpec(page_size=8, kv_copy="tma")
     with pytest.raises(ValueError, match="page_size 4 needs kv_copy='cp_async'"):

@@ -96,7 +96,7 @@ class GpuObjective(Objective):
         lens = [max(n - 37, 1), n // 3 + 5]
         # A dense winner is forced where it serves (two sequences alone would be split); a split one
         # also runs as the units program the runtime takes for ragged batches.
-        variants = ["dense"] if spec.variant == "dense" else [None] + ([] if spec.span_rows else ["units"])
+        variants = ["dense"] if spec.variant == "dense" else [None, "units"]
         variant = variants[0]
         try:
             with self.harness.active():

@@ -13,10 +13,7 @@ Invalid combinations (too much shared memory, a tensor map on rows it cannot des
 refused by KernelSpec itself before anything compiles: `build_spec` raises `Invalid` with
 KernelSpec's reason, and the search records it as a pruned trial.
 
-Left out on purpose: ``kv_copy='bulk'`` (a bulk copy per row; slower than tensor maps wherever
-both apply, BENCHMARKS.md), ``steal_tiles`` (its result depends on which warp took which tile, so a run
-is not reproducible bit for bit), ``span_rows`` (CTAs spanning rows serve ragged batches, which the
-buckets are not), ``warp_heads`` (the planner takes it per plan) and the units variant (the
+Left out on purpose: ``warp_heads`` (the planner takes it per plan) and the units variant (the
 planner routes to it per plan, for ragged batches).
 """
 

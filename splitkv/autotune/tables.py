@@ -68,6 +68,10 @@ ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "bandwidth_pct", "default_u
                 "plan", "default_plan", "planner")
 #: KernelSpec fields an entry's spec leaves out: the table's arch, and the key's fields.
 _KEY_SPEC_FIELDS = ("arch", "head_dim", "group_size", "q_dtype", "kv_dtype", "page_size", "kv_layout")
+#: Fields of programs KernelSpec no longer has, which tables written before they went hold with
+#: their off value in every spec: at that value they are skipped (the spec names the same program);
+#: any other value names a program that cannot be built, and the table is refused.
+_RETIRED_SPEC_FIELDS = {"steal_tiles": 0, "span_rows": False}
 
 
 class TableError(ValueError):
@@ -143,7 +147,7 @@ class Entry:
             clash = set(fields) & set(_KEY_SPEC_FIELDS)
             if clash:
                 raise ValueError(f"spec repeats the key's fields {sorted(clash)}")
-            spec = KernelSpec.from_dict({**fields, "arch": arch, **key.spec_fields()})
+            spec = KernelSpec.from_dict({**_without_retired_fields(fields), "arch": arch, **key.spec_fields()})
         exhaustive = data.get("exhaustive")
         if exhaustive is not None:
             exhaustive = dict(_mapping(exhaustive, "exhaustive"))
@@ -337,6 +341,15 @@ def _locked(path: Path):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _without_retired_fields(fields: dict) -> dict:
+    """An entry's spec fields without the `_RETIRED_SPEC_FIELDS` (ValueError for one that is not off)."""
+    for name, off in _RETIRED_SPEC_FIELDS.items():
+        if name in fields and (type(fields[name]) is not type(off) or fields[name] != off):
+            raise ValueError(f"spec: {name}={fields[name]!r} chooses a program splitkv no longer builds "
+                             f"(only {name}: {off!r} is still read)")
+    return {k: v for k, v in fields.items() if k not in _RETIRED_SPEC_FIELDS}
 
 
 def _mapping(value, name):

@@ -14,7 +14,7 @@ import importlib.resources
 import jinja2
 
 from ..work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS
-from ..spec import TILE_COUNTER_STRIDE, TMA_BOX_BYTES, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
+from ..spec import TMA_BOX_BYTES, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
 
 #: C++ element type for each dtype name of the spec vocabulary.
 CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
@@ -69,9 +69,7 @@ def template_parameters(spec: AnySpec) -> dict:
                       tma_box_bytes=spec.tma_box_bytes if spec.kv_copy == "tma" else TMA_BOX_BYTES,
                       tma_box_rows=spec.tma_box_rows, tile_bytes=spec.tile_bytes, kv_elem_bytes=spec.kv_elem_bytes,
                       unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
-                      cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
-                      tile_counter_stride=TILE_COUNTER_STRIDE, span_state_offset=spec.span_state_offset,
-                      span_q_offset=spec.span_q_offset)
+                      cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset)
     return params
 
 

@@ -36,9 +36,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
-// Bulk copies (sm_90+): one instruction moves a whole row (a multiple of 16 bytes) into shared
-// memory on the copy engine, and counts its bytes on an mbarrier; a waiter sees the row once the
-// barrier's phase completes. No registers or per-16-byte instructions are spent on the stream.
+// Barriers for the copy engine's copies (sm_90+): a tensor copy counts the bytes it lands on an
+// mbarrier, and a waiter sees them once the barrier's phase completes. No registers or per-16-byte
+// instructions are spent on the stream.
 __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(count) : "memory");
 }
@@ -50,10 +50,6 @@ __device__ __forceinline__ void mbarrier_init_fence() {
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
-// One arrival and no bytes: completes a phase that no copy fills (a stage left empty).
-__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_addr(bar)) : "memory");
-}
 // The barrier counts an arrival once every cp.async this thread issued before has landed; the
 // arrival was counted in the barrier's expected count at init (noinc).
 __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(unsigned long long* bar) {
@@ -64,11 +60,6 @@ __device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned 
                  "WAIT_%=:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra WAIT_%=;\n}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bulk_copy_to_smem(void* smem_dst, const void* gmem_src, unsigned bytes,
-                                                  unsigned long long* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 :: "r"(smem_addr(smem_dst)), "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 // A tensor map (CUtensorMap) as the host encodes it: 128 opaque bytes, 64-byte aligned. Passed to
 // the kernel by value as a __grid_constant__ parameter, so its address is a valid TMA operand.
@@ -82,7 +73,7 @@ __device__ __forceinline__ void tensor_copy_2d_to_smem(void* smem_dst, const Ten
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
                  :: "r"(smem_addr(smem_dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar)) : "memory");
 }
-// Orders this thread's plain shared-memory writes before later bulk copies into the same bytes.
+// Orders this thread's plain shared-memory writes before later copy-engine copies into the same bytes.
 __device__ __forceinline__ void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

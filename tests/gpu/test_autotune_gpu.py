@@ -23,6 +23,7 @@ def _arch() -> str:
     return "sm_" + cupy.cuda.Device().compute_capability
 
 
+@pytest.mark.gpu_exclusive  # times kernels: the GPU to itself in a parallel run
 def test_a_short_tuning_run_writes_a_table_the_runtime_uses(tmp_path, monkeypatch, capsys):
     """Six trials of one key on a 1 x 4k bucket: the table holds one entry for this GPU, checked
     and timed; DecodeAttention built afterwards finds it and runs its programs correctly."""
@@ -64,6 +65,7 @@ def test_a_short_tuning_run_writes_a_table_the_runtime_uses(tmp_path, monkeypatc
     lookup.forget()
 
 
+@pytest.mark.gpu_exclusive  # times kernels: the GPU to itself in a parallel run
 def test_a_short_unit_costs_run_writes_costs_the_runtime_plans_with(tmp_path, monkeypatch, capsys):
     """`splitkv-gen --tune --unit-costs` with 4 distinct plans: every workload's plan is checked and
     timed, the table holds the costs with both figures, and a DecodeAttention built afterwards plans
@@ -102,6 +104,7 @@ def test_a_short_unit_costs_run_writes_costs_the_runtime_plans_with(tmp_path, mo
     lookup.forget()
 
 
+@pytest.mark.gpu_exclusive  # times kernels: the GPU to itself in a parallel run
 def test_a_winners_last_check_runs_on_the_gpu():
     """verify() passes a correct split program (as planned and as its units program) and a
     correct dense program on a ragged batch, the objective's figures are sane, and runs() names
@@ -129,6 +132,7 @@ def test_a_winners_last_check_runs_on_the_gpu():
         objective.close()
 
 
+@pytest.mark.gpu_exclusive  # times kernels: the GPU to itself in a parallel run
 def test_the_bandwidth_sweep_times_tuned_builtin_and_peers():
     """The report's sweep gives a share of the copy bandwidth for the tuned and built-in programs
     at each length (a peer's figure where it is installed and correct)."""

@@ -8,28 +8,24 @@ the kernel reads, so the only error measured is the kernel's own.
 from __future__ import annotations
 
 import math
-import os
-import zlib
 
 import numpy as np
 import pytest
+
+import seeds
 
 cupy = pytest.importorskip("cupy")
 
 import splitkv  # noqa: E402
 from splitkv import DecodeAttention, KernelSpec  # noqa: E402
 from splitkv.heuristics import default_spec  # noqa: E402
-from splitkv.spec import rows_fit_tma_boxes  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 #: bf16: 8 significant bits in P and in the output; fp16: 11.
 REL_TOL = {"bf16": 1e-2, "fp16": 3e-3}
-_SEED = int(os.environ.get("SPLITKV_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
-
-
-def _rng(*key) -> np.random.Generator:
-    return np.random.default_rng([_SEED, *[zlib.crc32(str(k).encode()) for k in key]])
+#: A generator per key, from the run's seed (tests/seeds.py; SPLITKV_TEST_SEED replays a run).
+_rng = seeds.rng
 
 
 def fresh_seed(n: int) -> int:
@@ -197,41 +193,24 @@ def test_planner_choice_and_extreme_logits(group):
     {"warps": 2, "tile_tokens": 64, "chunk_size": 128, "stages": 2},
     {"warps": 4, "tile_tokens": 16, "stages": 4, "chunk_size": 64},
     {"warps": 1, "tile_tokens": 32, "stages": 3, "chunk_size": 64},
-    {"kv_copy": "bulk"},
-    {"kv_copy": "bulk", "cluster": 1},
-    {"kv_copy": "bulk", "warps": 8, "tile_tokens": 16, "stages": 3, "chunk_size": 128},
-    {"kv_copy": "bulk", "warps": 2, "tile_tokens": 64, "chunk_size": 128},
-    {"kv_copy": "cp_async", "steal_tiles": 1},
-    {"kv_copy": "cp_async", "steal_tiles": 4, "cluster": 1},
-    {"kv_copy": "cp_async", "steal_tiles": 2, "cluster": 4, "stages": 3},
-    {"kv_copy": "cp_async", "steal_tiles": 8, "warps": 8, "tile_tokens": 16, "chunk_size": 128},
-    {"mma_m": "tokens", "steal_tiles": 4, "kv_copy": "cp_async"},
+    {"kv_copy": "cp_async"},
+    {"kv_copy": "cp_async", "cluster": 1},
+    {"kv_copy": "cp_async", "cluster": 4, "stages": 3},
+    {"kv_copy": "cp_async", "warps": 8, "tile_tokens": 16, "chunk_size": 128},
+    {"mma_m": "tokens", "kv_copy": "cp_async"},
     {"mma_m": "tokens", "warps": 8, "tile_tokens": 16, "chunk_size": 128, "cluster": 1},
-    {"mma_m": "tokens", "warps": 2, "tile_tokens": 64, "chunk_size": 128, "kv_copy": "bulk"},
+    {"mma_m": "tokens", "warps": 2, "tile_tokens": 64, "chunk_size": 128, "kv_copy": "cp_async"},
     {"kv_copy": "tma"},
     {"kv_copy": "tma", "cluster": 1},
     {"kv_copy": "tma", "warps": 8, "tile_tokens": 16, "stages": 3, "chunk_size": 128},
     {"kv_copy": "tma", "mma_m": "tokens", "warps": 2, "tile_tokens": 64, "chunk_size": 128},
-    {"kv_copy": "tma", "steal_tiles": 2, "cluster": 1},
-    {"kv_copy": "tma", "steal_tiles": 1, "cluster": 4, "stages": 3},
-    {"kv_copy": "bulk", "steal_tiles": 4, "cluster": 1},
+    {"kv_copy": "tma", "cluster": 4, "stages": 3},
 ])
 def test_cta_shapes_clusters_and_separate_merge(changes):
     # 8 and 16 splits: one cluster per row, or rows spanning several clusters merged through
     # global memory (cluster 1, 2, 4 and 8 of 16 splits).
     for variant, splits in (("dense", None), ("split", 8), ("split", 16)):
         run_case(128, 4, [1, 777, 5000, 0], variant=variant, num_splits=splits, spec_changes=changes)
-
-
-@pytest.mark.parametrize("variant", ["dense", "split"])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_bulk_copies(head_dim, variant):
-    # K/V rows through cp.async.bulk: every head_dim (rows of 128 to 512 bytes), groups 1 to 16,
-    # ragged lengths that end mid-tile, and one long sequence.
-    for group in (1, 4, 16):
-        run_case(head_dim, group, [0, 1, 33, 1077, 4096, 3], variant=variant, num_splits=5,
-                 spec_changes={"kv_copy": "bulk"})
-    run_case(head_dim, 8, [65536], variant=variant, num_splits=16, num_kv_heads=1, spec_changes={"kv_copy": "bulk"})
 
 
 @pytest.mark.parametrize("variant", ["dense", "split"])
@@ -278,31 +257,13 @@ def test_tokens_on_the_mma_rows(head_dim, variant):
     run_case(head_dim, 8, [3000, 5, 0, 4096], spec_changes=changes, q_scale=300.0)  # extreme logits
 
 
-@pytest.mark.parametrize("kv_copy", ["cp_async", "bulk", "tma"])
+@pytest.mark.parametrize("kv_copy", ["cp_async", "tma"])
 @pytest.mark.parametrize("variant", ["dense", "split"])
 def test_nan_in_the_cache_past_the_length_never_leaks(variant, kv_copy):
     # The first tiles are fetched before the length is known, so rows past it reach shared memory.
     for head_dim, group in ((128, 4), (64, 16), (256, 1)):
         run_case(head_dim, group, [0, 1, 17, 100, 1000, 250], max_len=1100, variant=variant, num_splits=4,
                  spec_changes={"kv_copy": kv_copy}, nan_tail=True)
-
-
-@pytest.mark.parametrize("kv_copy", ["cp_async", "tma", "bulk"])
-@pytest.mark.parametrize("head_dim, group, steal", [(128, 4, 1), (128, 4, 4), (64, 1, 8), (256, 16, 2), (96, 8, 4)])
-def test_stolen_tiles(head_dim, group, steal, kv_copy):
-    # Warps draw blocks of `steal` tiles from a per-row counter: every tile is streamed exactly once
-    # whatever the draw order, draws may straddle splits, and rows of different lengths share
-    # nothing (the counters' reset between launches is checked by the CUDA-graph test). Without
-    # clusters the rows' CTAs are dealt out across the launch order: several K/V heads and
-    # sequences check that every CTA finds its own row and split.
-    if kv_copy == "tma" and not rows_fit_tma_boxes(head_dim, "bf16"):
-        pytest.skip(f"head_dim {head_dim}: rows are not whole 128-byte boxes")
-    run_case(head_dim, group, [65536, 5000, 0, 129, 4096 + 77], variant="split", num_splits=16,
-             spec_changes={"steal_tiles": steal, "cluster": 1, "kv_copy": kv_copy}, nan_tail=True, max_len=65536)
-    run_case(head_dim, group, [20000, 3], variant="split", num_splits=8, spec_changes={"steal_tiles": steal, "kv_copy": kv_copy})
-    # Rows of several clusters, dealt out across the launch order cluster by cluster.
-    run_case(head_dim, group, [65536, 3000], variant="split", num_splits=16, max_len=65536,
-             spec_changes={"steal_tiles": steal, "cluster": 4, "kv_copy": kv_copy}, nan_tail=True, expect_cluster=4)
 
 
 @pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 16), (256, 8), (96, 1)])
@@ -315,28 +276,7 @@ def test_rows_of_several_clusters(head_dim, group, cluster, splits, lens):
     run_case(head_dim, group, lens, variant="split", num_splits=splits, num_kv_heads=1, max_len=65536,
              spec_changes={"cluster": cluster}, nan_tail=True, expect_cluster=cluster)
     run_case(head_dim, group, [65536], variant="split", num_splits=splits, num_kv_heads=1,
-             spec_changes={"cluster": cluster, "steal_tiles": 4, "kv_copy": "cp_async"}, q_scale=100.0, expect_cluster=cluster)
-
-
-SPAN = {"cluster": 1, "span_rows": True, "kv_copy": "cp_async"}
-
-
-@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 1), (256, 8), (96, 16), (128, 8)])
-@pytest.mark.parametrize("lens, num_kv_heads", [([65536], 8), ([4096] * 3, 5), ([3000, 0, 17, 8000], 3),
-                                                ([1000 + 77], 7), ([1], 2)])
-def test_ctas_spanning_rows(head_dim, group, lens, num_kv_heads):
-    # span_rows: equal shares of all rows' tiles; CTAs that cross from one row into the next set
-    # the first row's state aside, take the next row's Q and keep streaming; ragged and empty rows.
-    plan = run_case(head_dim, group, lens, num_kv_heads=num_kv_heads, spec_changes=SPAN, nan_tail=True)
-    assert plan.variant == "dense" or plan.row_tokens > 0
-
-
-@pytest.mark.parametrize("num_splits", [2, 3, 16])
-def test_ctas_spanning_rows_with_forced_counts(num_splits):
-    # Forced split counts size the line of CTAs (rows x splits): many small shares, most crossing.
-    plan = run_case(128, 4, [5000, 2999, 1], variant="split", num_splits=num_splits, num_kv_heads=3,
-                    spec_changes=SPAN, nan_tail=True)
-    assert plan.row_tokens > 0 and plan.num_ctas > 1
+             spec_changes={"cluster": cluster, "kv_copy": "cp_async"}, q_scale=100.0, expect_cluster=cluster)
 
 
 @pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 8), (256, 2)])
@@ -469,15 +409,13 @@ def test_empty_cache_and_empty_batch():
 
 @pytest.mark.parametrize("changes, num_kv, lens, variant", [
     ({}, 4, [3000, 17, 8000, 0], "split"),
-    ({"kv_copy": "cp_async", "steal_tiles": 4}, 4, [3000, 17, 8000, 0], "split"),
-    ({"kv_copy": "cp_async", "steal_tiles": 4}, 1, [8000, 17, 3000, 0], "split"),
-    ({"cluster": 1, "span_rows": True, "kv_copy": "cp_async"}, 4, [3000, 17, 8000, 0], "split"),
+    ({"kv_copy": "cp_async"}, 4, [3000, 17, 8000, 0], "split"),
+    ({"kv_copy": "cp_async"}, 1, [8000, 17, 3000, 0], "split"),
     ({"kv_copy": "tma"}, 4, [3000, 17, 8000, 0], "split"),
     ({}, 4, [3000, 17, 8000, 0], "dense, a warp per K/V head")])
 def test_cuda_graph_capture_and_replay(changes, num_kv, lens, variant):
-    # With steal_tiles the per-row tile counters must be back at zero after every launch; with one
-    # K/V head the 8000-token row spans several clusters, so the merge counter is reset by the
-    # last CTA of a two-level merge; with span_rows CTAs cross rows and count for two rows.
+    # The merge counters must be back at zero after every launch; with one K/V head the 8000-token
+    # row spans several clusters, so the merge counter is reset by the last CTA of a two-level merge.
     group, dim = 4, 128
     q, q64 = random_values((4, num_kv * group, dim), "bf16", fresh_seed(21))
     k, k64 = random_values((4, 8192, num_kv, dim), "bf16", fresh_seed(22))
@@ -637,6 +575,7 @@ def _busy(stream, ms: float = 100.0):
         _SPIN((1,), (1,), (np.int64(ms * rate_khz),))
 
 
+@pytest.mark.gpu_exclusive  # races the host against a busy kernel: the GPU to itself in a parallel run
 def test_plan_and_run_on_different_streams_are_ordered():
     # plan() writes the lengths on one stream, run() launches on another: each must see the
     # other's work in call order, although a busy kernel holds back the stream that goes first.
@@ -689,6 +628,7 @@ def test_plan_and_run_on_different_streams_are_ordered():
         check_close(out, None, ref_out, None, lens, "bf16", f"{label}: {attn.plan_info}")
 
 
+@pytest.mark.gpu_exclusive  # races the host against a busy kernel: the GPU to itself in a parallel run
 def test_run_waits_for_the_stream_an_interface_names():
     # An array seen only through __cuda_array_interface__ whose producer still writes it on its
     # own stream ('stream' in the interface): the kernel must read the finished values.

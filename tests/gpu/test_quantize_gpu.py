@@ -4,12 +4,11 @@ positions reported; torch tensors and CUDA-graph capture."""
 
 from __future__ import annotations
 
-import os
-import zlib
-
 import ml_dtypes
 import numpy as np
 import pytest
+
+import seeds
 
 cupy = pytest.importorskip("cupy")
 
@@ -19,14 +18,13 @@ from splitkv.kv_formats import default_scale_reference, quantize_reference  # no
 
 pytestmark = pytest.mark.gpu
 
-_SEED = int(os.environ.get("SPLITKV_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 FORMATS = ["fp8_e4m3", "nvfp4"]
 _NUMPY = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 _POISON = 0xA5
 
 
-def _rng(*key) -> np.random.Generator:
-    return np.random.default_rng([_SEED, *[zlib.crc32(str(k).encode()) for k in key]])
+#: A generator per key, from the run's seed (tests/seeds.py; SPLITKV_TEST_SEED replays a run).
+_rng = seeds.rng
 
 
 def random_kv(shape, dtype: str, *key):

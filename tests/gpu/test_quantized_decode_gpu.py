@@ -108,13 +108,11 @@ SHAPES = [
     {"warps": 8, "tile_tokens": 16, "chunk_size": 128},
     {"warps": 2, "tile_tokens": 64, "chunk_size": 128},
     {"stages": 3},
-    {"steal_tiles": 2, "kv_copy": "cp_async"},
-    {"span_rows": True, "cluster": 1, "kv_copy": "cp_async"},
     {"mma_m": "heads"},  # 8 query heads on the MMA's 16 rows: the rows-8 MMAs
 ]
 
 
-@pytest.mark.parametrize("changes", SHAPES + [{"kv_copy": "bulk"}, {"kv_copy": "cp_async"}, {"kv_copy": "tma"}])
+@pytest.mark.parametrize("changes", SHAPES + [{"kv_copy": "cp_async"}, {"kv_copy": "tma"}])
 def test_fp8_cta_shapes_and_copies(changes):
     run_quantized("fp8_e4m3", 128, 4, [7000, 1, 2500, 0], variant="split", num_splits=9, spec_changes=changes,
                   num_kv=2, per_head=True)

@@ -1,7 +1,8 @@
 """The test run's own rules (tests/conftest.py), checked on runs of small test trees in subprocesses:
-a GPU run fails when a GPU test module skips at import, one seed per run reaches every process and
-replays it, compiles land in the run's cache and never in the user's, and a parallel run gives the
-GPU alone to the tests that need it (tests/gpu_sharing.py)."""
+a GPU run fails when a GPU test module skips at import, one seed per run reaches every process,
+compiles land in the run's cache and never in the user's, a run that writes into the package's
+tuned tables fails, and a parallel run gives the GPU alone to the tests that need it
+(tests/gpu_sharing.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,13 @@ def test_compiles():
     assert compile_cubin(MergeSpec(arch="sm_90", head_dim=64, out_dtype="bf16")).cubin_path.exists()
 '''
 
+_WRITES_A_TABLE = '''from pathlib import Path
+
+
+def test_writes():
+    Path("splitkv/tuned_configs/sm_90/X.yaml").write_text("{}")
+'''
+
 
 def _tree(tmp_path: Path, modules: dict) -> Path:
     """A project of ``modules`` ({path under tests/: source}) run with this project's conftest and
@@ -71,7 +79,7 @@ def _tree(tmp_path: Path, modules: dict) -> Path:
 def _pytest(root: Path, env: dict, *args) -> subprocess.CompletedProcess:
     """pytest in ``root`` with this environment less the run's own settings (this run's seed, cache and
     folders, pytest's variables), plus ``env``."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SPLITKV_", "PYTEST_"))}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SPLITKV_", "PYTEST_", "HYPOTHESIS_"))}
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=root,
                           env={**base, **env}, capture_output=True, text=True, timeout=300)
 
@@ -99,8 +107,7 @@ def test_a_gpu_module_that_skips_at_import_fails_a_run_that_requires_the_gpu(tmp
 
 
 def test_a_run_that_writes_into_the_tuned_tables_fails_and_names_the_file(tmp_path):
-    writes = 'from pathlib import Path\n\n\ndef test_writes():\n    Path("splitkv/tuned_configs/sm_90/X.yaml").write_text("{}")\n'
-    root = _tree(tmp_path, {"test_writes.py": writes})
+    root = _tree(tmp_path, {"test_writes.py": _WRITES_A_TABLE})
     (root / "splitkv" / "tuned_configs" / "sm_90").mkdir(parents=True)
     done = _pytest(root, {})
     assert done.returncode == 1, done.stdout + done.stderr

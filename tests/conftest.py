@@ -238,6 +238,17 @@ def pytest_runtest_protocol(item, nextitem):
         _Run.gate = GpuGate(Path(os.environ[RUN_DIR_ENV]) / "gpu-locks")
     with _Run.gate.held(exclusive=item.get_closest_marker("gpu_exclusive") is not None):
         yield
+        _release_device_memory()
+
+
+def _release_device_memory() -> None:
+    """Hands the memory pools' cached blocks back to the driver after a test: in a parallel run the
+    processes share one GPU's memory, and a pool keeping what one test freed starves the others."""
+    for name, release in (("cupy", lambda m: m.get_default_memory_pool().free_all_blocks()),
+                          ("torch", lambda m: m.cuda.empty_cache() if m.cuda.is_initialized() else None)):
+        module = sys.modules.get(name)
+        if module is not None:
+            release(module)
 
 
 def pytest_runtest_setup(item):

@@ -5,7 +5,7 @@ row's softmax mass, so dropping it moves the output far less than any bound the 
 Here one token of each row (a sequence's K/V head) holds all of it, and its V row says where it
 came from, so the output shows whether that token's tile was read exactly once, in its place.
 
-Construction (`random_base`, then `with_needles` for each set of positions):
+Construction (`random_base`, then `placed` for each set of positions):
 
 - every query head of a group has ``q[0] = NEEDLE_Q`` (the direction the group shares) and small
   random other components (std `Q_REST_STD`); every token's K has ``K[0] = 0`` and unit normal
@@ -38,6 +38,7 @@ here: the array module is found from the arrays).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -90,7 +91,7 @@ def round_to(x, dtype: str):
         raise ValueError(f"dtype: expected 'bf16' or 'fp16', got {dtype!r}")
     bits = x.view(xp.uint32)
     rounded = ((bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) >> 16) << 16  # to nearest even
-    return rounded.astype(xp.uint32).view(xp.float32)
+    return rounded.astype(xp.uint32, copy=False).view(xp.float32)
 
 
 def stored(x, dtype: str):
@@ -122,7 +123,7 @@ class Base:
 def random_base(batch: int, max_len: int, num_kv_heads: int, group: int, head_dim: int, *, seed: int,
                 q_dtype: str = "bf16", kv_dtype: str = "bf16", sm_scale: float | None = None, xp=np) -> Base:
     """Random inputs ready for needles, drawn on ``xp`` (NumPy or CuPy). ``kv_dtype`` 'bf16' or
-    'fp16' (a quantized cache starts from bf16 values and is quantized after `with_needles`)."""
+    'fp16' (a quantized cache starts from bf16 values and is quantized once the needles are `placed`)."""
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     gen = xp.random.default_rng(seed)
     q = gen.standard_normal((batch, num_kv_heads * group, head_dim), dtype=xp.float32) * xp.float32(Q_REST_STD)
@@ -140,24 +141,29 @@ def needle_code(seed: int, sequence: int, head: int, position: int, head_dim: in
     return np.where(signs == 1, V_CODE, -V_CODE).astype(np.float32)
 
 
-def with_needles(base: Base, positions):
-    """(k, v): copies of the base K and V with the needle of row (b, h) at token ``positions[b,
-    h]`` (int [B, Hkv]; -1: none, for empty sequences)."""
+@contextlib.contextmanager
+def placed(base: Base, positions):
+    """The base K and V with the needle of row (b, h) at token ``positions[b, h]`` (int [B, Hkv];
+    -1: none, for empty sequences), written in place for the block and taken out after it (a
+    copy of a long cache costs as much memory again)."""
     xp = _array_module(base.k)
     positions = np.asarray(positions, dtype=np.int64)
     seqs, heads = np.nonzero(positions >= 0)
     tokens = positions[seqs, heads]
-    head_dim = base.k.shape[3]
-    k, v = base.k.copy(), base.v.copy()
     if seqs.size == 0:
-        return k, v
+        yield base.k, base.v
+        return
+    head_dim = base.k.shape[3]
     k_rows = np.zeros((seqs.size, head_dim), np.float32)
     k_rows[:, 0] = base.needle_k
     codes = np.stack([needle_code(base.seed, b, h, p, head_dim) for b, h, p in zip(seqs, heads, tokens)])
     index = tuple(xp.asarray(i) for i in (seqs, tokens, heads))
-    k[index] = xp.asarray(k_rows)
-    v[index] = xp.asarray(codes)
-    return k, v
+    saved = base.k[index].copy(), base.v[index].copy()
+    base.k[index], base.v[index] = xp.asarray(k_rows), xp.asarray(codes)
+    try:
+        yield base.k, base.v
+    finally:
+        base.k[index], base.v[index] = saved
 
 
 # ---- what the kernels must give ----------------------------------------------------------------
@@ -176,16 +182,17 @@ class Expected:
     labels: dict = dataclasses.field(default_factory=dict)
 
 
-def expected_results(q64, k64, v64, lens, positions, sm_scale: float, labels: dict | None = None) -> Expected:
+def expected_results(q, k, v, lens, positions, sm_scale: float, labels: dict | None = None) -> Expected:
     """The expected outputs for needles at ``positions`` (int [B, Hkv]; -1 for empty sequences) in
-    the float64 values the kernel reads (q64 [B, Hq, D], k64 and v64 [B, L, Hkv, D]; NumPy or
-    CuPy; anything past each length is ignored, NaN included). AssertionError, naming the row,
+    the values the kernel reads (q [B, Hq, D], k and v [B, L, Hkv, D]: float32 or float64 arrays,
+    NumPy or CuPy, taken in float64 a sequence at a time; anything past each length is ignored,
+    NaN included). AssertionError, naming the row,
     where a needle is not what the module notes promise: its logit less than GAP above another
     token's, or its V row within MIN_DISTANCE of another V row of its row, of another needle or of
     the others' average."""
-    xp = _array_module(k64)
-    batch, num_qo, head_dim = q64.shape
-    num_kv = k64.shape[2]
+    xp = _array_module(k)
+    batch, num_qo, head_dim = q.shape
+    num_kv = k.shape[2]
     group = num_qo // num_kv
     positions = np.asarray(positions, dtype=np.int64)
     out = np.zeros((batch, num_qo, head_dim))
@@ -201,13 +208,14 @@ def expected_results(q64, k64, v64, lens, positions, sm_scale: float, labels: di
             continue
         assert ((pos >= 0) & (pos < n)).all(), f"sequence {b} of {n} tokens: needles at {pos}"
         at = xp.asarray(pos)
-        logits = xp.einsum("hgd,lhd->hgl", q64[b].reshape(num_kv, group, head_dim), k64[b, :n]) * sm_scale
+        qb = xp.asarray(q[b], dtype=xp.float64).reshape(num_kv, group, head_dim)
+        logits = xp.einsum("hgd,lhd->hgl", qb, xp.asarray(k[b, :n], dtype=xp.float64)) * sm_scale
         needle = logits[heads, :, at]  # [Hkv, G]
         logits[heads, :, at] = -xp.inf
         gap = _host(needle - logits.max(axis=2))
         weights = xp.exp(logits - needle[..., None])  # the others' mass next to the needle's 1
         mass = weights.sum(axis=2)
-        rows = v64[b, :n]
+        rows = xp.asarray(v[b, :n], dtype=xp.float64)
         code = rows[at, heads]  # [Hkv, D]
         norm = xp.sqrt((code ** 2).sum(axis=1))
         apart = ((rows - code[None]) ** 2).sum(axis=2)  # [n, Hkv]
@@ -220,7 +228,8 @@ def expected_results(q64, k64, v64, lens, positions, sm_scale: float, labels: di
             where = f"sequence {b}, K/V head {h}, needle at token {pos[h]}"
             assert gap[h].min() >= GAP, f"{where}: its logit is only {gap[h].min():.2f} above another token's"
             assert nearest[h] >= MIN_DISTANCE, f"{where}: its V row lies {nearest[h]:.2f} from another token's"
-            assert lost[h].min() >= MIN_DISTANCE, f"{where}: its V row lies {lost[h].min():.2f} from the others' average"
+            assert lost[h].min() >= MIN_DISTANCE, \
+                f"{where}: its V row lies {lost[h].min():.2f} from the others' average"
         margin = min(margin, float(gap.min()))
         host_code = _host(code)
         out[b] = np.repeat(host_code, group, axis=0)
@@ -234,7 +243,8 @@ def expected_results(q64, k64, v64, lens, positions, sm_scale: float, labels: di
         apart = np.linalg.norm(codes[:, None] - codes[None], axis=2) / norms[:, None]
         np.fill_diagonal(apart, np.inf)
         i, j = np.unravel_index(int(np.argmin(apart)), apart.shape)
-        assert apart[i, j] >= MIN_DISTANCE, f"needles of rows {owners[i]} and {owners[j]} have V rows {apart[i, j]:.2f} apart"
+        assert apart[i, j] >= MIN_DISTANCE, \
+            f"needles of rows {owners[i]} and {owners[j]} have V rows {apart[i, j]:.2f} apart"
     return Expected(out, lse, tol, positions, margin, dict(labels or {}))
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import secrets
 
 import numpy as np
 import pytest
 
 import needles
+import seeds
 from splitkv.kv_formats import default_scale_reference, dequantize_reference, quantize_reference
 from splitkv.paged import gather_pages
 from splitkv.plan import fixed_plan
@@ -27,10 +26,8 @@ _LOG2E = 1.0 / math.log(2.0)
 
 @pytest.fixture
 def rng(request):
-    # Fresh inputs every run; the seed is printed (shown on failure) and SPLITKV_TEST_SEED replays it.
-    seed = int(os.environ.get("SPLITKV_TEST_SEED") or secrets.randbits(63))
-    print(f"{request.node.name}: SPLITKV_TEST_SEED={seed}")
-    return np.random.default_rng(seed)
+    """Fresh inputs every run, drawn from the run's seed (tests/seeds.py) and the test's id."""
+    return seeds.rng("needles", request.node.nodeid)
 
 
 def needle_case(rng, lens, num_kv, group, head_dim, candidates, *, dtype="bf16", max_rounds=4):
@@ -40,8 +37,8 @@ def needle_case(rng, lens, num_kv, group, head_dim, candidates, *, dtype="bf16",
                                q_dtype=dtype, kv_dtype=dtype)
     q64 = base.q.astype(np.float64)
     for positions, labels in needles.needle_rounds(candidates, num_kv, rng, max_rounds):
-        k, v = needles.with_needles(base, positions)
-        k64, v64 = k.astype(np.float64), v.astype(np.float64)
+        with needles.placed(base, positions) as (k, v):
+            k64, v64 = k.astype(np.float64), v.astype(np.float64)
         yield q64, k64, v64, needles.expected_results(q64, k64, v64, lens, positions, base.sm_scale, labels)
 
 
@@ -185,31 +182,31 @@ def test_unit_plans_pass_intact_and_fail_with_a_lost_or_shifted_unit(rng):
         out, lse = emulate_unit_decode(q64, k64, v64, lens, plan)
         assert needles.failed_heads(out, lse, expected) == {}
         for i, (b, h, start, blocks, slot) in enumerate(plan.units.tolist()):
+            needle = int(expected.positions[b, h])
+            row = {(b, h * group + g) for g in range(group)}
             tokens = range(start * block, min((start + blocks) * block, lens[b]))
-            if int(expected.positions[b, h]) not in tokens:
-                continue
-            hit = heads_with_needle(expected, b, tokens, group) & {(b, h * group + g) for g in range(group)}
-            # The unit streams one block further on: its first block (and the needle) read by no one.
-            shifted = plan.units.copy()
-            shifted[i, first] += 1
-            if int(expected.positions[b, h]) < (start + 1) * block:
-                out, lse = emulate_unit_decode(q64, k64, v64, lens, dataclasses.replace(plan, units=shifted))
-                assert hit <= set(needles.failed_heads(out, lse, expected))
-                checked["shifted"] += 1
-            # The unit never runs: its rows' output (or partial) is never written.
-            dropped = dataclasses.replace(plan, units=np.delete(plan.units, i, axis=0))
-            out, lse = emulate_unit_decode(q64, k64, v64, lens, dropped)
-            assert hit <= set(needles.failed_heads(out, lse, expected))
-            checked["dropped"] += 1
-            # The unit streams one block more, the first of the row's next unit: that block (and a
-            # needle in it) counted twice.
             after = range((start + blocks) * block, min((start + blocks + 1) * block, lens[b]))
-            if slot != NO_PARTIAL and len(after):
+            if needle in tokens and needle < (start + 1) * block:
+                # The unit streams one block further on: its first block (and the needle) read by no one.
+                shifted = plan.units.copy()
+                shifted[i, first] += 1
+                out, lse = emulate_unit_decode(q64, k64, v64, lens, dataclasses.replace(plan, units=shifted))
+                assert row <= set(needles.failed_heads(out, lse, expected))
+                checked["shifted"] += 1
+            if needle in tokens:
+                # The unit never runs: its rows' output (or partial) is never written.
+                dropped = dataclasses.replace(plan, units=np.delete(plan.units, i, axis=0))
+                out, lse = emulate_unit_decode(q64, k64, v64, lens, dropped)
+                assert row <= set(needles.failed_heads(out, lse, expected))
+                checked["dropped"] += 1
+            if needle in after and slot != NO_PARTIAL:
+                # The unit streams one block more, the first of the row's next unit: the needle
+                # there counted twice, which only the LSE shows.
                 longer = plan.units.copy()
                 longer[i, count] += 1
                 out, lse = emulate_unit_decode(q64, k64, v64, lens, dataclasses.replace(plan, units=longer))
-                twice = heads_with_needle(expected, b, after, group) & {(b, h * group + g) for g in range(group)}
-                assert set(needles.failed_heads(out, lse, expected)) == twice
+                failed = needles.failed_heads(out, lse, expected)
+                assert set(failed) == row and all(w[0].startswith("lse") for w in failed.values())
                 checked["longer"] += 1
     assert min(checked.values()) > 0, checked
 
@@ -222,10 +219,11 @@ def test_needles_survive_quantization(rng, kv_format):
     q64 = base.q.astype(np.float64)
     for positions, labels in needles.needle_rounds(candidates, num_kv, rng, 3):
         caches = []
-        for x in needles.with_needles(base, positions):
-            scale = default_scale_reference(x, kv_format, per_head=False)
-            values, blocks = quantize_reference(x, kv_format, scale)
-            caches.append(dequantize_reference(values, blocks, kv_format, scale))
+        with needles.placed(base, positions) as kv:
+            for x in kv:
+                scale = default_scale_reference(x, kv_format, per_head=False)
+                values, blocks = quantize_reference(x, kv_format, scale)
+                caches.append(dequantize_reference(values, blocks, kv_format, scale))
         k64, v64 = caches
         # The needle's K row is the largest magnitude: the format's largest code, exact up to
         # the float32 scale.
@@ -303,3 +301,14 @@ def test_values_are_exact_in_their_formats(rng, dtype):
         k = needles.needle_k(head_dim, 1 / math.sqrt(head_dim))
         assert needles.round_to(np.float32([k]), dtype)[0] == k
         assert abs(k * needles.NEEDLE_Q / math.sqrt(head_dim) - needles.NEEDLE_LOGIT) < 0.2
+
+
+def test_needles_are_placed_in_place_and_taken_out_after(rng):
+    base = needles.random_base(2, 50, 2, 4, 64, seed=int(rng.integers(2**31)))
+    before = base.k.copy(), base.v.copy()
+    positions = np.array([[3, 49], [-1, -1]])
+    with needles.placed(base, positions) as (k, v):
+        assert k[0, 3, 0, 0] == base.needle_k and not k[0, 49, 1, 1:].any()
+        assert np.array_equal(np.abs(v[0, 3, 0]), np.full(64, needles.V_CODE, np.float32))
+        assert np.array_equal(k[1], before[0][1])  # no needle in an empty sequence
+    assert np.array_equal(base.k, before[0]) and np.array_equal(base.v, before[1])

@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     import cupy
 
     from splitkv import DecodeAttention
-    from splitkv.bench import Harness, parse_shapes, random_qkv
+    from splitkv.bench.inputs import random_qkv
+    from splitkv.bench.shapes import parse_shapes
+    from splitkv.timing import Harness
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("old_dir", type=Path, help="directory with the old decode.cu.j2 and *.cuh headers")

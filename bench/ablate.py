@@ -21,10 +21,11 @@ import argparse
 import statistics
 
 from splitkv import DecodeAttention
-from splitkv.bench import Harness, parse_shapes, random_qkv
+from splitkv.bench.inputs import random_qkv
+from splitkv.bench.shapes import parse_shapes
 from splitkv.codegen.load import load_kernel
 from splitkv.codegen.render import render
-from splitkv.floor import ReadFloor
+from splitkv.timing import Harness, ReadFloor
 
 
 def _cut(source: str, start: str, stop: str) -> str:

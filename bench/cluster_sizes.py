@@ -55,8 +55,9 @@ def main(argv=None) -> int:
     import cupy
 
     from splitkv import DecodeAttention, runtime
-    from splitkv.bench import Harness, parse_shapes, random_qkv
-    from splitkv.floor import ReadFloor
+    from splitkv.bench.inputs import random_qkv
+    from splitkv.bench.shapes import parse_shapes
+    from splitkv.timing import Harness, ReadFloor
     from splitkv.heuristics import default_spec
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

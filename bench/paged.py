@@ -24,8 +24,9 @@ import statistics
 import numpy as np
 
 from splitkv import DecodeAttention, quantize_kv
-from splitkv.bench import Harness, parse_shapes, random_bf16_qkv
-from splitkv.floor import DeviceCopy
+from splitkv.bench.inputs import random_bf16_qkv
+from splitkv.bench.shapes import parse_shapes
+from splitkv.timing import DeviceCopy, Harness
 from splitkv.quantize import QuantizedKV
 
 DEFAULT_SHAPES = ["1:32:8:128:4k", "1:32:8:128:16k", "1:32:8:128:64k", "16:32:8:128:4k", "64:32:8:128:1k",

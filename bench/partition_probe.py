@@ -95,7 +95,7 @@ def main():
         cv = chunk_kb * 1024 // 16
         variants[f"queue 132 x {chunk_kb}KB"] = (qu, (132,), (512,),
                                                  (src, cp.uint64(cv), cp.uint32(n_vec // cv), counter, sink, stamps))
-    from splitkv.floor import ReadFloor
+    from splitkv.timing import ReadFloor
     rf = ReadFloor(nbytes).reader(nbytes)
     variants["floor"] = None
     names = list(variants)

@@ -18,7 +18,8 @@ import statistics
 import torch
 import triton.testing
 
-from splitkv import bench, floor
+from splitkv import timing
+from splitkv.bench import cases, inputs, peers, shapes
 
 SHAPES = ["1:32:8:128:1k", "1:32:8:128:4k", "1:32:8:128:64k"]
 FLUSH_BYTES = 256 << 20

@@ -14,8 +14,7 @@ import argparse
 import numpy as np
 
 from splitkv import kv_formats, quantize_kv
-from splitkv.bench import Harness, gbps, summarize
-from splitkv.floor import DeviceCopy
+from splitkv.timing import DeviceCopy, Harness, gbps, summarize
 
 #: (label, batch, tokens, num_kv_heads, head_dim, cache rows, append): a whole cache, then appends.
 CASES = [

@@ -171,7 +171,7 @@ def main():
     v = rng.integers(0, 2**16, size=L * H * D, dtype=cp.int32).astype(cp.uint16)
     flush = cp.empty(512 << 20, dtype=cp.uint8)
     sink = cp.zeros(4096, dtype=cp.uint32)
-    from splitkv.floor import ReadFloor
+    from splitkv.timing import ReadFloor
     rf = ReadFloor(2 * nbytes).reader(2 * nbytes)
     configs = []
     variants = {"floor": lambda: rf()}

@@ -257,7 +257,9 @@ def sample_launch(attn, inputs, harness, samples: int, stamp_kernel):
 def main(argv=None) -> int:
     import cupy
 
-    from splitkv.bench import Harness, parse_shapes, random_qkv
+    from splitkv.bench.inputs import random_qkv
+    from splitkv.bench.shapes import parse_shapes
+    from splitkv.timing import Harness
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:1k", "1:32:8:128:64k"])

@@ -26,7 +26,7 @@ import numpy as np
 
 from paged import flashinfer_paged  # bench/paged.py: the same FlashInfer call on the same pages
 from splitkv import DecodeAttention
-from splitkv.bench import Harness
+from splitkv.timing import Harness
 
 #: The issue's partial-wave cases, balanced ones, and page sizes 1, 16 and 64.
 DEFAULT_CASES = ["6096x1:28:7:128:0", "4096x3:32:8:128:0", "65536,512x63:32:8:128:16", "6096x1:28:7:128:16",

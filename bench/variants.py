@@ -21,8 +21,10 @@ import argparse
 import statistics
 
 from splitkv import DecodeAttention
-from splitkv.bench import Harness, parse_shapes, parse_spec_override, random_qkv
-from splitkv.floor import ReadFloor
+from splitkv.bench.inputs import random_qkv
+from splitkv.bench.overrides import parse_spec_override
+from splitkv.bench.shapes import parse_shapes
+from splitkv.timing import Harness, ReadFloor
 from splitkv.heuristics import default_spec
 
 

@@ -93,7 +93,9 @@ def summarise(sums: np.ndarray, mhz: float) -> list[str]:
 def main(argv=None) -> int:
     import cupy
 
-    from splitkv.bench import Harness, parse_shapes, random_qkv
+    from splitkv.bench.inputs import random_qkv
+    from splitkv.bench.shapes import parse_shapes
+    from splitkv.timing import Harness
     from splitkv.codegen.load import load_module
     from splitkv.codegen.render import render
 

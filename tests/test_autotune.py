@@ -957,12 +957,12 @@ def test_a_report_is_written_afterwards_from_the_table_and_the_storage(tmp_path,
 def test_cli_tune_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):
     """Without --cost-model and no usable GPU: status 2, a message naming the arch, nothing written."""
     pytest.importorskip("optuna")
-    import splitkv.bench
+    import splitkv.timing
 
     def no_gpu():
         raise RuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected")
 
-    monkeypatch.setattr(splitkv.bench, "gpu_info", no_gpu)
+    monkeypatch.setattr(splitkv.timing, "gpu_info", no_gpu)
     assert cli.main(_tune_argv(tmp_path, "--out", str(tmp_path / "tables"))) == 2
     err = capsys.readouterr().err
     assert "sm_90" in err and "none is usable" in err and "no CUDA-capable device" in err
@@ -972,9 +972,9 @@ def test_cli_tune_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):
 def test_cli_tune_refuses_a_gpu_of_another_arch(tmp_path, capsys, monkeypatch):
     """Tuning sm_90 on an sm_80 GPU is refused (status 2), the message naming both archs."""
     pytest.importorskip("optuna")
-    import splitkv.bench
+    import splitkv.timing
 
-    monkeypatch.setattr(splitkv.bench, "gpu_info", lambda: dict(
+    monkeypatch.setattr(splitkv.timing, "gpu_info", lambda: dict(
         name="NVIDIA A100-SXM4-40GB", arch="sm_80", sm_count=108, cuda_runtime_version="13.0", nvrtc_version="13.0"))
     assert cli.main(_tune_argv(tmp_path, "--out", str(tmp_path / "tables"))) == 2
     err = capsys.readouterr().err

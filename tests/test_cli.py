@@ -271,11 +271,11 @@ def test_unexpected_error_in_one_kernel_is_reported_per_kernel(fake, capsys):
 
 def test_tune_refuses_without_a_gpu_of_the_arch(fake, capsys, monkeypatch):
     pytest.importorskip("optuna")
-    from splitkv import bench
+    from splitkv import timing
 
     def no_gpu():
         raise RuntimeError("no CUDA driver")
-    monkeypatch.setattr(bench, "gpu_info", no_gpu)
+    monkeypatch.setattr(timing, "gpu_info", no_gpu)
     code, out, err = run(capsys, "--arch", "sm90", "--tune", "--head-dim", "128", "--group", "4", "--dtype", "bf16")
     assert code == 2
     assert "--tune measures on a GPU of sm_90" in err and "no CUDA driver" in err

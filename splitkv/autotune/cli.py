@@ -221,7 +221,7 @@ def _check_gpu(arch: str, cost_model: bool):
     if cost_model:
         return dict(name=COST_MODEL_GPU, sm_count=132, cuda_runtime="n/a", nvrtc="n/a")
     try:
-        from ..bench import gpu_info
+        from ..timing import gpu_info
 
         info = gpu_info()
     except Exception as e:  # noqa: BLE001 - no driver, no device

@@ -6,7 +6,7 @@ NVFP4 keys, laid out in pages of a random order for paged keys), the float64 ref
 values the program reads (the dequantized ones for quantized keys), and the output poisoned with
 NaN before every checked call. Per candidate: the check (max |out - ref| within
 ``TOLERANCE`` x max |ref|), then CUDA events around each call, the L2 flushed before each, the
-median of ``iters`` calls (`splitkv.bench.Harness`). Bandwidth is given as a share of the
+median of ``iters`` calls (`splitkv.timing.Harness`). Bandwidth is given as a share of the
 device-to-device copy bandwidth measured in the same process.
 """
 
@@ -36,7 +36,7 @@ class GpuObjective(Objective):
                  seed: int = 0, copy_gbps: float | None = None):
         import cupy
 
-        from ..bench import Harness
+        from ..timing import Harness
 
         self.key, self.bucket = key, bucket
         device = cupy.cuda.Device()
@@ -48,7 +48,7 @@ class GpuObjective(Objective):
         self.seed = seed
         with self.harness.active():
             self.harness.flush_us = self.harness.flush_time_us()
-            self.copy_gbps = copy_gbps or _copy_bandwidth(device.id, self.harness)
+            self.copy_gbps = copy_gbps or process_copy_gbps(device.id, self.harness)
             self.inputs = BucketInputs(key, [bucket.seq_len] * bucket.batch, seed)
         self.builtin_split, self.builtin_dense, _ = lookup.programs(None, self.arch, key)
 
@@ -201,7 +201,7 @@ def _companions(spec: KernelSpec, builtin_split: KernelSpec, builtin_dense: Kern
 _COPY_GBPS: dict = {}
 
 
-def _copy_bandwidth(device: int, harness) -> float:
+def process_copy_gbps(device: int, harness) -> float:
     """`copy_bandwidth_gbps`, measured once per device and process: every entry of a run is a share
     of the same figure."""
     if device not in _COPY_GBPS:
@@ -211,7 +211,7 @@ def _copy_bandwidth(device: int, harness) -> float:
 
 def copy_bandwidth_gbps(harness) -> float:
     """Device-to-device copy bandwidth (read + written bytes), median of 20 copies of 1 GiB."""
-    from ..bench import copy_bandwidth
+    from ..timing import copy_bandwidth
 
     return copy_bandwidth(harness, COPY_BYTES, 20)["gbps"]
 
@@ -281,11 +281,11 @@ def _random(rng, shape, dtype: str):
     """Normal values in bf16 (uint16 bits, as the benchmark draws them) or fp16."""
     import cupy
 
-    from ..bench import _cupy_bf16_randn
+    from ..timing import random_bf16
 
     if dtype == "fp16":
         return rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
-    return _cupy_bf16_randn(rng, shape)
+    return random_bf16(rng, shape)
 
 
 def _as_f64(x, dtype: str):

@@ -194,7 +194,7 @@ class GpuMeasure:
     ``iters`` calls, L2 flushed before each; twice the calls when confirming)."""
 
     def __init__(self, *, iters: int = 30, seed: int = 0):
-        from ..bench import Harness
+        from ..timing import Harness
         from .measure import FLUSH_BYTES, BucketInputs
 
         self.iters = iters

@@ -3,8 +3,8 @@
 Decode attention is memory-bound, so two measurements frame every result:
 
 * the *read floor*: how long a kernel that does nothing but stream the same number of bytes from
-  device memory takes, launch included. No decode kernel can beat it, and the gap to it is the
-  room left for improvement;
+  device memory takes, launch included. The gap to it is the room left for improvement (a decode
+  can come in under it where the floor kernel's own launch and drain cost more than its reads);
 * the *copy bandwidth*: a large device-to-device ``cudaMemcpyAsync``, counted as bytes read plus
   bytes written over the time. It is the practical ceiling the "% of copy bandwidth" column uses.
 
@@ -138,17 +138,22 @@ class ReadFloor:
         self._read = _compile(READ_KERNEL)
         self._empty = _compile(EMPTY_KERNEL)
 
-    def reader(self, nbytes: int):
-        """A no-argument callable that launches one read of ``nbytes`` on the current stream."""
+    def reader(self, nbytes: int, offset: int = 0):
+        """A no-argument callable that launches one read of ``nbytes`` on the current stream,
+        starting ``offset`` bytes into the buffer (a multiple of 16: each layer of the serving
+        protocol reads bytes of its own)."""
         import numpy
 
         n_vec = vec_count(nbytes)
-        if n_vec > self.capacity_vecs:
-            raise ValueError(f"nbytes: {nbytes} exceeds this floor's capacity of "
+        if offset < 0 or offset % VEC_BYTES:
+            raise ValueError(f"offset: expected a non-negative multiple of {VEC_BYTES}, got {offset!r}")
+        first = offset // VEC_BYTES
+        if first + n_vec > self.capacity_vecs:
+            raise ValueError(f"nbytes: {nbytes} at offset {offset} exceeds this floor's capacity of "
                              f"{self.capacity_vecs * VEC_BYTES} bytes")
         grid = (grid_size(n_vec, self.sm_count),)
         block = (THREADS,)
-        args = (self._buf, numpy.uint64(n_vec), self._sink)
+        args = (self._buf[offset:], numpy.uint64(n_vec), self._sink)
         kernel = self._read
 
         def launch():
@@ -189,3 +194,15 @@ class DeviceCopy:
         runtime = cupy.cuda.runtime
         runtime.memcpyAsync(self._dst.data.ptr, self._src.data.ptr, self.nbytes,
                             runtime.memcpyDeviceToDevice, cupy.cuda.get_current_stream().ptr)
+
+
+def copy_bandwidth(harness, nbytes: int, iters: int | None = None) -> dict:
+    """The copy ceiling: timings of a device-to-device copy of ``nbytes`` with the flush protocol
+    of ``harness`` (`splitkv.timing.Harness`); ``gbps`` counts the bytes read and written. Its
+    buffers are freed on return."""
+    from .stats import gbps, summarize
+
+    copier = DeviceCopy(nbytes)
+    stats = summarize(harness.time(copier, iters))
+    stats.update(bytes=copier.nbytes, bytes_moved=copier.bytes_moved, gbps=gbps(copier.bytes_moved, stats["median_us"]))
+    return stats

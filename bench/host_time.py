@@ -9,6 +9,7 @@ plan(): the median of ``--plan-calls`` calls with host lengths (a serving step's
     python bench/host_time.py                       # every case
     python bench/host_time.py --calls 1000 --json out.json
     python bench/host_time.py --cases bf16-cupy,fp8-torch
+    python bench/host_time.py --markdown out.json   # BENCHMARKS.md's table of a results file (no GPU)
 """
 
 from __future__ import annotations
@@ -175,6 +176,15 @@ def measure(name: str, builder, calls: int, plan_calls: int) -> dict:
             "plan_us_median": statistics.median(plan_times), "plan_us_p90": float(np.percentile(plan_times, 90))}
 
 
+def markdown(result: dict) -> str:
+    """The table BENCHMARKS.md shows of one results file."""
+    lines = ["| case | run() µs | p90 | plan() µs | p90 |", "|---|---:|---:|---:|---:|"]
+    for r in result["results"]:
+        lines.append(f"| {r['description']} | {r['run_us_median']:.1f} | {r['run_us_p90']:.1f} | "
+                     f"{r['plan_us_median']:.0f} | {r['plan_us_p90']:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     table = _case_table()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -182,7 +192,12 @@ def main(argv=None) -> int:
     parser.add_argument("--plan-calls", type=int, default=200, help="plan() calls timed per case")
     parser.add_argument("--cases", default=",".join(table), help=f"comma-separated, of {', '.join(table)}")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--markdown", metavar="JSON", help="print the table of a results file and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return 0
     names = [n for n in args.cases.split(",") if n]
     unknown = [n for n in names if n not in table]
     if unknown or not names:

@@ -40,7 +40,7 @@ def old_source(spec, old_dir: Path) -> tuple[str, dict[str, str]]:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(old_dir)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     source = env.get_template("decode.cu.j2").render(**template_parameters(spec))
-    return source, {path.name: path.read_text() for path in Path(old_dir).glob("*.cuh")}
+    return source, {path.relative_to(old_dir).as_posix(): path.read_text() for path in Path(old_dir).rglob("*.cuh")}
 
 
 def old_kernel(spec, old_dir: Path):

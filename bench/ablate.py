@@ -24,7 +24,7 @@ from splitkv import DecodeAttention
 from splitkv.bench.inputs import random_qkv
 from splitkv.bench.shapes import parse_shapes
 from splitkv.codegen.load import load_kernel
-from splitkv.codegen.render import render
+from splitkv.codegen.render import flat_source
 from splitkv.timing import Harness, ReadFloor
 
 
@@ -97,7 +97,7 @@ LOOP_ABLATIONS = {
 
 #: name -> source patch. Each removes one part of the program from the critical path.
 ABLATIONS = {
-    "no length read (length = L)": _swap("min(seq_lens[batch_idx], max_len)", "max_len"),
+    "no length read (length = L)": _swap("min(__ldg(seq_lens + batch_idx), max_len)", "max_len"),
     "no Q loads": _swap("        if (row >= GROUP) return 0u;\n", "        return 0x3f803f80u;\n"),
     "no global merge tail": _swap("    if (!FUSED_MERGE) return;\n", "    return;\n"),
     **LOOP_ABLATIONS,
@@ -111,7 +111,7 @@ ABLATIONS = {
 
 def patched_kernel(spec, patch):
     """The program of ``spec`` with ``patch`` applied, compiled exactly as splitkv compiles it."""
-    return load_kernel(spec, source=patch(render(spec)))[0]
+    return load_kernel(spec, source=patch(flat_source(spec)))[0]
 
 
 def main(argv=None) -> int:

@@ -25,21 +25,21 @@ from variants import round_order  # noqa: E402
 
 
 @contextlib.contextmanager
-def whole_row_clusters(runtime, size: int):
+def whole_row_clusters(planner, size: int):
     """Within the block, every split plan runs as one cluster of ``size`` per row (the forced split
     count must come out as ``size`` after chunk rounding)."""
-    chosen = runtime.fit_clusters
+    chosen = planner.fit_clusters
 
     def fit(plan, *args, **kwargs):
         if plan.num_splits != size:
             raise ValueError(f"{plan.num_splits} splits after chunk rounding, not {size}")
         return plan, size
 
-    runtime.fit_clusters = fit
+    planner.fit_clusters = fit
     try:
         yield
     finally:
-        runtime.fit_clusters = chosen
+        planner.fit_clusters = chosen
 
 
 def largest_resident(attn, rows: int):
@@ -54,7 +54,7 @@ def largest_resident(attn, rows: int):
 def main(argv=None) -> int:
     import cupy
 
-    from splitkv import DecodeAttention, runtime
+    from splitkv import DecodeAttention, planning
     from splitkv.bench.inputs import random_qkv
     from splitkv.bench.shapes import parse_shapes
     from splitkv.timing import Harness, ReadFloor
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                 attn = DecodeAttention(hq, hkv, dim, kv_dtype=kv_dtype,
                                        spec=spec.replace(cluster=16, chunk_size=spec.tile_tokens))
                 try:
-                    with whole_row_clusters(runtime, size):
+                    with whole_row_clusters(planning, size):
                         attn.plan([length] * batch, variant="split", num_splits=size, stream=harness.stream)
                 except ValueError as exc:
                     print(f"  clusters of {size}: skipped ({exc})")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from splitkv.autotune import keys, lookup, measure
+from splitkv.autotune import measure
+from splitkv.tuned import keys, lookup
 
 DEFAULT_CASES = ["64:1:b32-l4k:split", "128:4:b1-l2k:split", "128:4:b1-l32k:split"]
 

@@ -56,7 +56,7 @@ __device__ __forceinline__ void splitkv_stamp(int phase) {{
 #: (the cluster merge in a global-merge program, say) are skipped.
 _AFTER = (
     ("    __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox\n", 0),
-    ("    sum_lanes();\n    __syncthreads();\n", 1),
+    ("    softmax.sum_lanes();\n    __syncthreads();\n", 1),
     ("    combine_warps(combined);\n    __syncthreads();\n", 2),
     ("        __syncthreads();  // the CTA's partials are written before thread 0 counts it\n", 3),
     ("        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed\n", 4),
@@ -227,13 +227,13 @@ def sample_launch(attn, inputs, harness, samples: int, stamp_kernel):
     import cupy
 
     from splitkv.codegen.load import load_module
-    from splitkv.codegen.render import render
+    from splitkv.codegen.render import flat_source
 
     q, k, v, out = inputs
     launch = attn._launch
     num_ctas = int(np.prod(launch.grid))
     # Compiled as splitkv compiles the program, so that the stamps are the only difference.
-    module, function, _ = load_module(launch.spec, source=patched_source(render(launch.spec), num_ctas))
+    module, function, _ = load_module(launch.spec, source=patched_source(flat_source(launch.spec), num_ctas))
     object.__setattr__(launch, "decode_fn", function)
     probe = cupy.ndarray((num_ctas, _SLOTS), cupy.uint64, module.get_global("splitkv_probe"))
     stamps, outside = [], []

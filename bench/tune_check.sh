@@ -36,17 +36,17 @@ fi
 studies() {
     "$py" - "$1" <<'PY'
 import collections, sys, optuna
-from splitkv.autotune import search
-storage = search.make_storage(sys.argv[1])
+from splitkv.autotune import studies
+storage = studies.make_storage(sys.argv[1])
 for summary in optuna.get_all_study_summaries(storage):
     study = optuna.load_study(study_name=summary.study_name, storage=storage)
-    done = search.measured(study)
+    done = studies.measured(study)
     by_pid = collections.Counter(t.user_attrs.get("pid") for t in done)
     twice = sum(n - 1 for n in collections.Counter(t.user_attrs.get("spec") for t in done).values() if n > 1)
     interrupted = sum(1 for t in study.trials if t.user_attrs.get("interrupted"))
     running = sum(1 for t in study.trials if t.state == optuna.trial.TrialState.RUNNING)
     print(f"{summary.study_name}: measured by pid {dict(by_pid)}, interrupted {interrupted}, running {running},"
-          f" measured twice {twice}, entry saved {search.OUTCOME_ATTR in study.user_attrs}")
+          f" measured twice {twice}, entry saved {studies.OUTCOME_ATTR in study.user_attrs}")
 PY
 }
 

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     from splitkv.bench.shapes import parse_shapes
     from splitkv.timing import Harness
     from splitkv.codegen.load import load_module
-    from splitkv.codegen.render import render
+    from splitkv.codegen.render import flat_source
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["1:32:8:128:16k:fp8", "1:32:8:128:16k"])
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
             num_ctas = int(np.prod(launch.grid))
             # Compiled as splitkv compiles the program, so that the counters are the only difference.
             module, function, _ = load_module(launch.spec,
-                                              source=patched_source(render(launch.spec), num_ctas, launch.spec.warps))
+                                              source=patched_source(flat_source(launch.spec), num_ctas, launch.spec.warps))
             object.__setattr__(launch, "decode_fn", function)
             sums = cupy.ndarray((num_ctas, launch.spec.warps, len(SLOTS)), cupy.int64,
                                 module.get_global("splitkv_phases"))

@@ -11,12 +11,12 @@ exactly the bytes of `splitkv.kv_formats.quantize_reference`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
-from . import kv_formats, streams, tensors
+from . import arrays, kv_formats, streams, tensors
 from .paged import check_layout
+from .quantized_kv import QuantizedKV
 from .spec import QUANTIZE_IN_DTYPES, QuantizeSpec
 
 #: Status bits the quantizer ORs into its status word (see quantize.cu.j2).
@@ -27,41 +27,6 @@ PAGE_OUT_OF_RANGE = 4
 
 class NonFiniteInputError(ValueError):
     """The input held NaN or Inf; the affected FP8 elements or NVFP4 blocks were written as NaN."""
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantizedKV:
-    """A quantized K or V tensor: ``values`` (uint8, ``[B, L, Hkv, D]`` for FP8 or ``[B, L, Hkv, D/2]``
-    for NVFP4), ``block_scales`` (NVFP4: uint8 E4M3 codes ``[B, L, Hkv, D/16]``; FP8: None) and
-    ``scale`` (float32, ``(1,)`` per tensor or ``(Hkv,)`` per K/V head), all on the GPU, in the
-    array kind of the input that made them (CuPy arrays or torch tensors)."""
-
-    kv_dtype: str
-    values: Any
-    block_scales: Any
-    scale: Any
-
-    @property
-    def head_dim(self) -> int:
-        width = tensors.describe(self.values, "values").shape[-1]
-        return width * 2 if self.kv_dtype == "nvfp4" else width
-
-    @property
-    def shape(self) -> tuple:
-        """The logical shape ``[B, L, Hkv, D]`` of the tensor the bytes stand for."""
-        return (*tensors.describe(self.values, "values").shape[:-1], self.head_dim)
-
-    def dequantize_reference(self, on_device: bool = False):
-        """float64 values through the reference decoding: on the host (copies everything back), or
-        with ``on_device`` a CuPy array computed on the GPU (the same values, much faster)."""
-        scale = None if self.scale is None else _to_host(self.scale)
-        if on_device:
-            import cupy
-
-            arrays = [None if a is None else tensors.to_cupy(a) for a in (self.values, self.block_scales)]
-            return kv_formats.dequantize_reference(arrays[0], arrays[1], self.kv_dtype, scale, xp=cupy)
-        host = [None if a is None else _to_host(a) for a in (self.values, self.block_scales)]
-        return kv_formats.dequantize_reference(host[0], host[1], self.kv_dtype, scale)
 
 
 def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: QuantizedKV | None = None,
@@ -95,7 +60,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
     """
     kv_formats.check_format(kv_dtype)
     check_layout(kv_layout, "kv_layout")
-    info = tensors.describe(x, "x", bf16_from_uint16=True)
+    info = arrays.describe(x, "x", bf16_from_uint16=True)
     if info.ndim == 3:
         info = dataclasses.replace(info, shape=(info.shape[0], 1, *info.shape[1:]),
                                    strides=(info.strides[0], 0, *info.strides[1:]))
@@ -104,7 +69,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
                          f"head_dim]), got shape {info.shape}")
     if info.dtype not in QUANTIZE_IN_DTYPES:
         raise TypeError(f"x: expected dtype {' or '.join(QUANTIZE_IN_DTYPES)}, got {info.dtype}")
-    tensors._check_layout(info, "x")
+    arrays.check_contiguous_aligned(info, "x")
     batch, tokens, num_kv_heads, head_dim = info.shape
     qspec = QuantizeSpec(head_dim=head_dim, in_dtype=info.dtype, kv_format=kv_dtype)  # validates head_dim
     import cupy
@@ -113,7 +78,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
     # Compiled for the GPU it runs on (an sm_90 cubin loads on no other arch).
     qspec = dataclasses.replace(qspec, arch="sm_" + cupy.cuda.Device(device).compute_capability)
     with streams.on_device(device):
-        ptr = tensors.stream_ptr(info, stream)
+        ptr = arrays.stream_ptr(info, stream)
         with streams.use_stream(ptr):
             capturing = streams.is_capturing(ptr)
             if check is None:
@@ -123,7 +88,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
                                  "CUDA graph; pass check=False and a status array")
             if capturing:
                 _check_capturable(status, positions, block_table)
-            x_cp = tensors.to_cupy(x).reshape(batch, tokens, num_kv_heads, head_dim)
+            x_cp = arrays.to_cupy(x).reshape(batch, tokens, num_kv_heads, head_dim)
             paging = None
             if out is None:
                 if positions is not None or block_table is not None:
@@ -136,7 +101,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
                     raise ValueError("scale: a cache keeps its own scale (out.scale); pass scale=None with out=")
                 if block_table is None:
                     cache = _check_cache(out, kv_dtype, batch, num_kv_heads, head_dim)
-                    cache_len = tensors.describe(cache.values, "out.values").shape[1]
+                    cache_len = arrays.describe(cache.values, "out.values").shape[1]
                 else:
                     cache, paging = _check_paged_cache(out, kv_dtype, num_kv_heads, head_dim, kv_layout)
                     paging = _paging_args(block_table, batch, paging, kv_layout)
@@ -148,7 +113,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
                 _raise_for_status(int(status_arr.get()[0]), kv_dtype)
     if out is not None:
         return out
-    return _as_torch(cache) if tensors._like_is_torch(info) else cache
+    return _as_torch(cache) if arrays.is_torch_kind(info) else cache
 
 
 def _launch(qspec, x_cp, cache, status_arr, positions, tokens, num_kv_heads, cache_len, paging) -> None:
@@ -167,7 +132,7 @@ def _launch(qspec, x_cp, cache, status_arr, positions, tokens, num_kv_heads, cac
 
 
 def _cupy(a):
-    return None if a is None else tensors.to_cupy(a)
+    return None if a is None else arrays.to_cupy(a)
 
 
 def _new_cache(x_cp, kv_dtype: str, scale) -> QuantizedKV:
@@ -186,9 +151,9 @@ def _scale_array(scale, x_cp, info, kv_dtype: str, per_head: bool):
     num_kv_heads = info.shape[2]
     if scale is None:
         return _default_scale(x_cp, info.dtype, kv_dtype, per_head)
-    if tensors.is_device_array(scale):
+    if arrays.is_device_array(scale):
         tensors.describe_scale(scale, "scale", num_kv_heads)
-        return tensors.to_cupy(scale)
+        return arrays.to_cupy(scale)
     host = np.asarray(scale, np.float64).reshape(-1)
     kv_formats.head_scales(host, num_kv_heads)  # validates count and sign
     return cupy.asarray(host.astype(np.float32))
@@ -214,7 +179,7 @@ def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: in
         raise TypeError(f"out: expected a QuantizedKV (from quantize_kv), got {type(out).__name__}")
     if out.kv_dtype != kv_dtype:
         raise ValueError(f"out: the cache holds {out.kv_dtype}, not {kv_dtype}")
-    values = tensors.describe(out.values, "out.values")
+    values = arrays.describe(out.values, "out.values")
     value_shape, block_shape = kv_formats.stored_shapes((batch, values.shape[1] if values.ndim == 4 else 0,
                                                          num_kv_heads, head_dim), kv_dtype)
     if values.ndim != 4 or values.shape != value_shape or values.dtype != "uint8":
@@ -227,9 +192,9 @@ def _check_cache(out, kv_dtype: str, batch: int, num_kv_heads: int, head_dim: in
 def _check_cache_parts(out, values, block_shape, num_kv_heads: int) -> None:
     """The checks a cache's values (of the right shape), block scales and scale share, contiguous
     and paged."""
-    tensors._check_layout(values, "out.values")
+    arrays.check_contiguous_aligned(values, "out.values")
     if block_shape is not None:
-        blocks = tensors.describe(out.block_scales, "out.block_scales")
+        blocks = arrays.describe(out.block_scales, "out.block_scales")
         if blocks.shape != block_shape or blocks.dtype != "uint8" or not blocks.is_contiguous:
             raise ValueError(f"out.block_scales: expected contiguous uint8 {block_shape}, got "
                              f"{blocks.dtype} {blocks.shape}")
@@ -242,7 +207,7 @@ def _check_paged_cache(out, kv_dtype: str, num_kv_heads: int, head_dim: int, kv_
 
     if not isinstance(out, QuantizedKV) or out.kv_dtype != kv_dtype:
         raise TypeError(f"out: expected a {kv_dtype} QuantizedKV cache, got {getattr(out, 'kv_dtype', type(out).__name__)}")
-    values = tensors.describe(out.values, "out.values")
+    values = arrays.describe(out.values, "out.values")
     if values.ndim != 4:
         raise ValueError(f"out.values: expected a paged cache of 4 dimensions, got shape {values.shape}")
     logical = (*values.shape[:3], head_dim)
@@ -261,12 +226,12 @@ def _paging_args(block_table, batch: int, geometry, kv_layout: str) -> tuple:
     import cupy
 
     num_pages, page_size = geometry
-    if tensors.is_device_array(block_table):
-        info = tensors.describe(block_table, "block_table")
-        table = tensors.to_cupy(block_table)
+    if arrays.is_device_array(block_table):
+        info = arrays.describe(block_table, "block_table")
+        table = arrays.to_cupy(block_table)
     else:
         table = cupy.asarray(_host_int32(block_table, "block_table"))
-        info = tensors.describe(table, "block_table")
+        info = arrays.describe(table, "block_table")
     tensors.check_block_table_info(info, batch)
     return (np.uint64(table.data.ptr), np.int32(info.shape[1]), np.int32(page_size), np.int32(kv_layout == "HND"),
             np.int32(num_pages), table)
@@ -280,12 +245,12 @@ def _positions_array(positions, batch: int, tokens: int, cache_len: int):
         if tokens > cache_len:
             raise ValueError(f"x: {tokens} tokens do not fit a cache of {cache_len} rows")
         return None
-    if tensors.is_device_array(positions):
-        info = tensors.describe(positions, "positions")
+    if arrays.is_device_array(positions):
+        info = arrays.describe(positions, "positions")
         if info.dtype != "int32" or info.shape != (batch,) or not info.is_contiguous:
             raise ValueError(f"positions: expected a contiguous int32 device array of shape ({batch},), got "
                              f"{info.dtype} {info.shape}")
-        return tensors.to_cupy(positions)
+        return arrays.to_cupy(positions)
     host = np.asarray(positions)
     if host.shape != (batch,) or (host.size and host.dtype.kind not in "iu"):
         raise ValueError(f"positions: expected {batch} integers (one per sequence), got {host.dtype} {host.shape}")
@@ -315,7 +280,7 @@ def _check_capturable(status, positions, block_table) -> None:
     host argument would be copied into a temporary that is freed (and its copy captured). (A new
     cache's scale lives in the cache.)"""
     for name, value in (("status", status), ("positions", positions), ("block_table", block_table)):
-        if (value is not None or name == "status") and not tensors.is_device_array(value):
+        if (value is not None or name == "status") and not arrays.is_device_array(value):
             raise ValueError(f"{name}: while the stream is captured into a CUDA graph, pass it as a device array "
                              f"that outlives the graph" + (" (status: int32, one element)" if name == "status" else ""))
 
@@ -325,10 +290,10 @@ def _status_array(status):
 
     if status is None:
         return cupy.zeros(1, cupy.int32)
-    info = tensors.describe(status, "status")
+    info = arrays.describe(status, "status")
     if info.dtype != "int32" or info.shape != (1,):
         raise ValueError(f"status: expected a device int32 array of one element, got {info.dtype} {info.shape}")
-    return tensors.to_cupy(status)
+    return arrays.to_cupy(status)
 
 
 def _raise_for_status(bits: int, kv_dtype: str) -> None:
@@ -350,7 +315,3 @@ def _as_torch(cache: QuantizedKV) -> QuantizedKV:
         return None if a is None else torch.from_dlpack(a)
 
     return QuantizedKV(cache.kv_dtype, convert(cache.values), convert(cache.block_scales), convert(cache.scale))
-
-
-def _to_host(a) -> np.ndarray:
-    return tensors.to_cupy(a).get()

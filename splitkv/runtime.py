@@ -21,18 +21,16 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import paged, streams, tensors
-from .autotune import lookup
-from .autotune.keys import TuneKey
+from . import paged, planning, streams, tensors
 from .heuristics import (default_spec, few_splits_max_bytes, resident_ctas_per_sm, saturating_ctas,
                          takes_whole_row_clusters)
-from .quantize import QuantizedKV
-from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_plan, pack_heads, plan_splits_unchecked,
-                   wants_packed_heads, whole_row_ctas)
+from .plan import SplitPlan
+from .quantized_kv import QuantizedKV
 from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
-from .work_units import (BUFFER_HEADER, MERGE_FIELDS, PRIOR_COSTS, ROUTE_FACTOR, UNIT_FIELDS, CostModel, UnitPlan,
-                         choose_kv_splits, may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
+from .tuned import lookup
+from .tuned.keys import TuneKey
+from .work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS, CostModel, UnitPlan
 
 _LOG2E = 1.4426950408889634
 #: The programs load 16-byte vectors: a layout is only reused for pointers of the same alignment.
@@ -81,6 +79,10 @@ class _Launch:
     empty_kv_ptr: int = 0  # tma with every length 0: one tile of memory for maps of an empty cache
     table: _BlockTable | None = None  # paged caches: the block table the plan reads through
     units: _UnitTables | None = None  # units plans: the work-unit tables on the device
+    # The decode program's Params (splitkv/params.py) and the launch argument pointing at it, per
+    # thread (two threads running one plan never share the bytes a launch copies): made on the
+    # thread's first run, its fields rewritten on each.
+    params: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass
@@ -287,76 +289,37 @@ class DecodeAttention:
             host_lens = lens.copy()
             host_lens[int(np.argmax(host_lens))] = int(max_len)
         max_planned = int(host_lens.max(initial=0))  # the longest sequence the plan covers
-        # The tuned program is dense, and the rows fill the GPU: no split was faster (on the
-        # bucket's equal lengths; a long row among short ones still goes to the units below).
-        forced_dense = self._tuned is not None and \
-            self._use_tuned(batch * self.num_kv_heads, max_planned) and variant is None
+        # The tuned entry nearest this workload chooses the programs (and may make the plan dense).
+        tuned_forces_dense = self._tuned is not None and self._use_tuned(batch * self.num_kv_heads, max_planned)
         may_grow = host_lens is not lens
-        if variant == "units":
-            if num_splits is not None or warp_heads:
-                raise ValueError("variant: 'units' plans take neither num_splits nor warp_heads")
-            if may_grow:
-                # A unit covers the blocks of its row's length at plan time: lengths that grow
-                # after it would leave their new tokens to no unit.
-                raise ValueError(f"max_len: a 'units' plan covers the lengths it is planned for, so device "
-                                 f"lengths may not grow up to max_len={int(max_len)} after it; plan() again "
-                                 f"for each step's lengths (with max_units, a captured graph replays the "
-                                 f"tables rewritten in place)")
-            return self._plan_units(seq_lens, on_device, lens, host_lens, block_table, validate, max_units)
-        if max_units is not None:
+        if variant != "units" and max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")
-        program = self._split_program()
-        ctas_per_sm = program.ctas_per_sm
         # The planners' lengths, checked already: int64, which they take as they are (see
         # plan.plan_splits_unchecked), converted once here.
         planned = host_lens.astype(np.int64)
-        if variant is None:
-            if forced_dense:
-                wave = plan = fixed_plan(planned, self.num_kv_heads, variant="dense",
-                                         chunk_size=self.split_spec.chunk_size)
-            else:
-                wave = plan_splits_unchecked(planned, max_planned, self.num_kv_heads, self.split_spec.chunk_size,
-                                             self.num_sms, ctas_per_sm)
-                plan = self._short_row_plan(wave, planned, max_planned, program)
-            # The units' cost model counts tokens per CTA on every resident CTA, as the wave model
-            # does: the routing judges the wave model's plan in those terms, and the short-row
-            # rule's where it differs (fewer, longer splits may leave a long row to few CTAs among
-            # short rows).
-            unit_plan = None if may_grow else self._units_pay(wave, planned, max_planned, ctas_per_sm)
-            if unit_plan is None and plan is not wave and plan != wave and not may_grow:  # `is`: the common case
-                unit_plan = self._units_pay(plan, planned, max_planned, ctas_per_sm)
-            if unit_plan is not None:
-                return self._plan_units(seq_lens, on_device, lens, host_lens, block_table, validate, None, unit_plan)
+        if variant == "units":  # the units program's slots; the split program is not loaded for it
+            planning.check_units_request(max_planned, may_grow=may_grow, num_splits=num_splits, warp_heads=warp_heads)
+            units_spec = self._units_spec()
+            _, compiled = self._load(units_spec)
+            gpu = planning.GpuFacts(self.num_sms, resident_ctas_per_sm(units_spec, compiled.registers))
+            in_clusters = None
         else:
-            plan = fixed_plan(planned, self.num_kv_heads, variant=variant,
-                              chunk_size=self.split_spec.chunk_size, num_splits=num_splits)
-        if warp_heads is None:
-            warp_heads = wants_packed_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps, num_sms=self.num_sms)
-        if warp_heads:
-            plan = pack_heads(plan, self.num_kv_heads, warps=self.dense_spec.warps)
-        spec = self._packed_dense_spec() if plan.heads_per_cta > 1 else self.dense_spec
-        if plan.variant == "split":
-            plan, cluster = fit_clusters(plan, planned, self.num_kv_heads, chunk_size=self.split_spec.chunk_size,
-                                         max_cluster=self.split_spec.cluster,
-                                         resident_clusters=self._max_active_clusters,
-                                         kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
-                                         may_resplit=variant is None,
-                                         multi_cluster=self.split_spec.fused_merge,
-                                         whole_row_ctas=whole_row_ctas(self.num_sms) if self._whole_row_clusters else None)
-            spec = program.in_clusters(cluster)
-        if spec.cluster > 1 and plan.num_splits != spec.cluster and not spec.fused_merge:
-            # Several clusters per row leave one partial per cluster, which only the fused merge reads.
-            raise RuntimeError(f"planner bug: {plan.num_splits} splits in clusters of {spec.cluster} "
-                               f"without the fused merge; {describe(plan)}")
-        if plan.variant == "split" and plan.tokens_per_split % spec.tile_tokens:  # tiles start at split starts
-            raise RuntimeError(f"planner bug: {plan.tokens_per_split} tokens per split is not a multiple of "
-                               f"the tile ({spec.tile_tokens} tokens); {describe(plan)}")
+            program = self._split_program()
+            gpu = planning.GpuFacts(self.num_sms, program.ctas_per_sm, program.saturating,
+                                    program.few_splits_max_bytes, self._max_active_clusters)
+            in_clusters = program.in_clusters
+        programs = planning.Programs(self.split_spec, self.dense_spec, self.tuned_entry, tuned_forces_dense,
+                                     self.unit_costs, self._packed_dense_spec, self._units_spec, in_clusters,
+                                     self._whole_row_clusters)
+        choice = planning.choose_plan(planned, max_planned, self.num_kv_heads, programs, gpu, may_grow=may_grow,
+                                      variant=variant, num_splits=num_splits, warp_heads=warp_heads)
+        plan, spec = choice.plan, choice.spec
+        if isinstance(plan, UnitPlan):
+            return self._plan_units(seq_lens, on_device, lens, host_lens, block_table, validate, max_units, plan)
         # Everything that may raise comes before the first write to a buffer the live plan uses.
         checked_table = self._check_table(block_table, lens, host_lens, validate) if self.page_size else None
         decode_fn, _ = self._load(spec)
-        merge_fn = None
-        if plan.variant == "split" and not spec.fused_merge and spec.cluster == 1:  # a cluster merges in place
-            merge_fn, _ = self._load(self.merge_spec)
+        merge_fn = self._load(self.merge_spec)[0] if choice.merge else None
         grid = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch)
         if max(grid[1], grid[2]) > _MAX_GRID_YZ:
             raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "
@@ -378,23 +341,6 @@ class DecodeAttention:
                                _pointers(workspace), self._empty_kv_ptr(spec, max_planned), table)
         self._validated_layout = None
         return plan
-
-    def _short_row_plan(self, wave: SplitPlan, planned, max_planned: int, program: _SplitProgram) -> SplitPlan:
-        """The short-row rule's plan of these lengths (`plan_splits` with ``program``'s saturating CTAs), or
-        the wave model's ``wave`` where the rule does not apply: no saturating count (NVFP4), a
-        tuned program measured without the rule (its entry's `planner`: a tuned program launches
-        what the tuner measured), or rows that run dense under either rule."""
-        measured_by_waves = self.tuned_entry is not None and self.tuned_entry.planner == "waves" \
-            and self.tuned_entry.spec == self.split_spec
-        saturating, ctas_per_sm = program.saturating, program.ctas_per_sm
-        if saturating is None or measured_by_waves or dense_regardless(
-                planned.size * self.num_kv_heads, max_planned,
-                chunk_size=self.split_spec.chunk_size, num_sms=self.num_sms, ctas_per_sm=ctas_per_sm):
-            return wave
-        return plan_splits_unchecked(planned, max_planned, self.num_kv_heads, self.split_spec.chunk_size,
-                                     self.num_sms, ctas_per_sm, saturating_ctas=saturating,
-                                     kv_bytes_per_token=self.split_spec.kv_bytes_per_token,
-                                     max_split_bytes=program.few_splits_max_bytes)
 
     def _split_program(self) -> _SplitProgram:
         """The split program's resident CTAs per SM, saturating CTAs and derived programs
@@ -460,40 +406,11 @@ class DecodeAttention:
         device_lens.set(lens)
         return device_lens
 
-    def _units_pay(self, plan: SplitPlan, planned, max_planned: int, ctas_per_sm: int) -> UnitPlan | None:
-        """The work-unit plan of these lengths (``planned``, the longest ``max_planned``) when the
-        cost model predicts it `ROUTE_FACTOR` times faster than the split planner's ``plan``."""
-        if plan.heads_per_cta > 1:
-            return None
-        slots = self.num_sms * ctas_per_sm
-        per_split = plan.tokens_per_split if plan.variant == "split" else max(max_planned, 1)
-        # The routing compares the two plans under the priors (ROUTE_FACTOR was measured with them);
-        # the units plan it routes to is made with the instance's costs.
-        if not may_route_to_units_unchecked(planned, max_planned, self.num_kv_heads, per_split, slots):  # in O(batch)
-            return None
-        units = self._unit_plan(planned, slots, self.unit_costs)
-        routed = units if self.unit_costs in (None, PRIOR_COSTS) else self._unit_plan(planned, slots, None)
-        split_cost = split_plan_makespan(planned, self.num_kv_heads, per_split, slots)
-        return units if split_cost > ROUTE_FACTOR * predicted_makespan(routed, planned) else None
-
-    def _unit_plan(self, lens, slots: int, costs: CostModel | None) -> UnitPlan:
-        """The work-unit planner's tables for these lengths on ``slots`` slots (``costs`` None: the priors)."""
-        return choose_kv_splits(lens, self.num_kv_heads, block_size=self._unit_block, slots=slots, costs=costs)
-
-    @property
-    def _unit_block(self) -> int:
-        """Units start on blocks: whole chunks (so a unit's tiles fall evenly on the warps), whole pages."""
-        return max(self.split_spec.chunk_size, self.page_size)
-
     def _plan_units(self, seq_lens, on_device, lens, host_lens, block_table, validate, max_units,
-                    plan=None) -> UnitPlan:
-        """plan(variant='units'): the unit tables for ``host_lens`` (``plan``, when already made), on
-        this GPU's resident CTAs."""
+                    plan: UnitPlan) -> UnitPlan:
+        """A units plan's launch: ``plan``'s tables for ``host_lens`` (`planning.choose_plan`)."""
         spec = self._units_spec()
-        decode_fn, compiled = self._load(spec)
-        if plan is None:
-            slots = self.num_sms * resident_ctas_per_sm(spec, compiled.registers)
-            plan = self._unit_plan(host_lens, slots, self.unit_costs)
+        decode_fn, _ = self._load(spec)
         rows = lens.size * self.num_kv_heads
         static = max_units is not None
         if static:
@@ -678,7 +595,26 @@ class DecodeAttention:
         table_args = (table.ptr, np.int32(table.stride), np.int32(num_pages)) if table else (np.uint64(0), np.int32(0), np.int32(0))
         units = launch.units
         tokens_per_split = 0 if units else plan.tokens_per_split
-        maps, map_bytes = (), ()
+        # One Params struct (splitkv/params.py), kept on the launch and rewritten field by field
+        # (fields a program does not read stay zero).
+        packed = launch.params.get(threading.get_ident())
+        if packed is None:
+            from cupy.cuda.function import CPointer
+
+            from .params import new_decode_params
+
+            buffer = new_decode_params()
+            packed = launch.params[threading.get_ident()] = (buffer, CPointer(buffer.ctypes.data))
+        params, argument = packed
+        params["q"], params["k"], params["v"], params["out"], params["lse"] = q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr
+        params["seq_lens"] = launch.seq_lens_ptr
+        params["partial_o"], params["partial_lse"], params["counters"] = launch.workspace_ptrs
+        params["max_len"], params["num_kv_heads"] = cache_len, self.num_kv_heads
+        params["tokens_per_split"], params["scale_log2"] = tokens_per_split, self.sm_scale * _LOG2E
+        (params["k_scale"], params["k_per_head"], params["v_scale"], params["v_per_head"],
+         params["k_block_scales"], params["v_block_scales"]) = quantized_args
+        params["block_table"], params["table_stride"], params["num_pages"] = table_args
+        params["units"] = units.ptr if units else 0
         if spec.kv_copy == "tma":
             # The maps' rows: a contiguous cache's tokens ([batch x cache_len][num_kv_heads x head_dim]),
             # a paged one's ([num_pages x page_size][num_kv_heads x head_dim], HND: [num_pages x
@@ -692,16 +628,10 @@ class DecodeAttention:
             if rows == 0:  # an empty cache (every length is 0): maps of the plan's stand-in tile
                 rows, bases = spec.tile_tokens, (launch.empty_kv_ptr,) * 2
             view = (rows, cols, spec.kv_elem_bytes, spec.tma_box_rows, spec.tma_box_bytes)
-            (k_map, k_bytes), (v_map, v_bytes) = (self._tensor_maps.argument(base, *view) for base in bases)
-            maps, map_bytes = (k_map, v_map), (k_bytes, v_bytes)  # the arguments point into these
-        launch.decode_fn(
-            launch.grid, (spec.threads,),
-            (q_ptr, k_ptr, v_ptr, launch.seq_lens_ptr, out_ptr, lse_ptr, *launch.workspace_ptrs,
-             np.int32(cache_len), np.int32(self.num_kv_heads), np.int32(tokens_per_split),
-             np.float32(self.sm_scale * _LOG2E), *maps, *quantized_args, *table_args,
-             units.ptr if units else np.uint64(0)),
-            shared_mem=spec.smem_bytes)
-        del map_bytes  # held until the launch has copied the maps
+            for field, base in zip(("k_map", "v_map"), bases):
+                params[field] = self._tensor_maps.argument(base, *view)[1].view(np.uint8)
+        # CuPy copies the struct's bytes when the kernel is launched (or captured).
+        launch.decode_fn(launch.grid, (spec.threads,), (argument,), shared_mem=spec.smem_bytes)
         if launch.merge_fn is not None and units:
             launch.merge_fn((units.merge_blocks,), (_MERGE_THREADS,),
                             (*launch.workspace_ptrs[:2], units.ptr, out_ptr, lse_ptr, np.int32(self.group_size),

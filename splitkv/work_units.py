@@ -76,7 +76,7 @@ class CostModel:
         return dataclasses.asdict(self)
 
 
-#: CostModel's fields, in the order a tuned table lists them (`splitkv.autotune.tables.UnitCosts`).
+#: CostModel's fields, in the order a tuned table lists them (`splitkv.tuned.tables.UnitCosts`).
 COST_FIELDS = tuple(f.name for f in dataclasses.fields(CostModel))
 #: The built-in costs (the priors), built once (a CostModel validates itself, so building one per
 #: plan costs µs). The runtime's routing to units was measured under them.

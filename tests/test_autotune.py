@@ -23,8 +23,9 @@ import yaml
 
 import splitkv
 from splitkv import cli
-from splitkv.autotune import costmodel, keys, lookup, objective, search, space, tables
-from splitkv.autotune.keys import BUCKETS_BY_NAME, TuneKey
+from splitkv.autotune import confirm, costmodel, objective, search, space, studies, versions, writing
+from splitkv.tuned import keys, lookup, tables
+from splitkv.tuned.keys import BUCKETS_BY_NAME, TuneKey
 from splitkv import heuristics
 from splitkv.heuristics import default_spec
 from splitkv.plan import plan_splits
@@ -47,7 +48,7 @@ TUNED_DENSE = default_spec(ARCH, 128, 4, variant="dense").replace(warps=8, tile_
 # ---- helpers ------------------------------------------------------------------------------------
 
 def header(gpu: str = GPU, arch: str = ARCH) -> dict:
-    return tables.make_header(gpu, arch, 132, "13.0", "13.0", "0.1.0", date="2026-01-02")
+    return writing.make_header(gpu, arch, 132, "13.0", "13.0", "0.1.0", date="2026-01-02")
 
 
 def entry(bucket: str, spec: KernelSpec | None = None, key: TuneKey = KEY, tuned_us: float = 10.0,
@@ -74,12 +75,12 @@ def shuffled(items, seed: int) -> list:
 def save_table(folder: Path, entries, gpu: str = GPU, arch: str = ARCH, header_arch: str | None = None) -> Path:
     """``entries`` saved as the table of ``gpu`` under ``folder/<arch>/`` (its header may claim another arch)."""
     path = tables.table_path(folder, arch, gpu)
-    tables.save(path, header(gpu, header_arch or arch), entries)
+    writing.save(path, header(gpu, header_arch or arch), entries)
     return path
 
 
 def temporary_files(folder: Path) -> list:
-    """What `tables.save` may leave behind besides tables and its lock files."""
+    """What `writing.save` may leave behind besides tables and its lock files."""
     return sorted(p.name for p in folder.iterdir() if not p.name.endswith((".yaml", ".lock")))
 
 
@@ -89,7 +90,7 @@ def replay(params: dict):
 
 
 def memory_study(seed: int = 0):
-    return search.open_study("test", None, seed=seed)
+    return studies.open_study("test", None, seed=seed)
 
 
 def states(study) -> dict:
@@ -201,7 +202,7 @@ def test_save_merges_into_the_table_there(tmp_path):
     path = save_table(tmp_path, old)
     new = entry("b8-l8k", TUNED_SPLIT, tuned_us=3.25)
     replacing = entry("b1-l32k", None, tuned_us=20.0, default_us=20.0)  # replaces old[0]
-    written = tables.save(path, header(), [new, replacing])
+    written = writing.save(path, header(), [new, replacing])
     expected = sorted([new, replacing, *old[1:]], key=tables.Entry.sort_key)
     assert list(written.entries) == expected
     assert list(tables.load(path).entries) == expected
@@ -219,7 +220,7 @@ def test_save_replaces_the_file_atomically(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", fail)  # the one os.replace every atomic write goes through
     with pytest.raises(OSError, match="No space"):
-        tables.save(path, header(), [entry("b8-l8k", TUNED_SPLIT)])
+        writing.save(path, header(), [entry("b8-l8k", TUNED_SPLIT)])
     assert path.read_bytes() == before
     assert temporary_files(path.parent) == []
 
@@ -229,18 +230,18 @@ def test_save_refuses_to_overwrite_another_gpus_table_or_a_broken_one(tmp_path):
     path = save_table(tmp_path, sample_entries(), gpu="NVIDIA H200")
     before = path.read_bytes()
     with pytest.raises(tables.TableError, match="NVIDIA H200.*NVIDIA H100"):
-        tables.save(path, header("NVIDIA H100"), [entry("b8-l8k", TUNED_SPLIT)])
+        writing.save(path, header("NVIDIA H100"), [entry("b8-l8k", TUNED_SPLIT)])
     assert path.read_bytes() == before
     path.write_text("schema: [1\n")
     with pytest.raises(tables.TableError, match=re.escape(str(path))):
-        tables.save(path, header("NVIDIA H200"), [entry("b8-l8k", TUNED_SPLIT)])
+        writing.save(path, header("NVIDIA H200"), [entry("b8-l8k", TUNED_SPLIT)])
     assert path.read_text() == "schema: [1\n"
 
 
 # ---- tables: schema errors ----------------------------------------------------------------------
 
 def _valid_table_data() -> dict:
-    return yaml.safe_load(tables.dump(tables.Table(header(), tuple(sample_entries()[:2]))))
+    return yaml.safe_load(writing.dump(tables.Table(header(), tuple(sample_entries()[:2]))))
 
 
 def _overflowing_spec(data):
@@ -296,7 +297,7 @@ def test_a_table_written_before_the_retired_fields_went_still_loads():
         spec.update(steal_tiles=0, span_rows=False)
     table = tables.parse(data)
     assert table.entries == tables.parse(_valid_table_data()).entries
-    assert "steal_tiles" not in tables.dump(table) and "span_rows" not in tables.dump(table)
+    assert "steal_tiles" not in writing.dump(table) and "span_rows" not in writing.dump(table)
 
 
 # ---- lookup -------------------------------------------------------------------------------------
@@ -454,7 +455,7 @@ def test_runtime_plans_a_tuned_program_by_the_rules_it_was_measured_under(fake_g
     """Short rows (3 x 8 rows of 4096 tokens) on the table's split program: an entry measured under
     the wave model alone is planned by it (the shipped entries tuned before the short-row rule
     launch what was measured); one measured with the short-row rule takes its fewest splits."""
-    tables.save(tables.table_path(fake_gpu.tables, ARCH, GPU), header(),
+    writing.save(tables.table_path(fake_gpu.tables, ARCH, GPU), header(),
                 [entry("b4-l8k", TUNED_SPLIT, planner=planner)])
     attn = splitkv.DecodeAttention(32, 8, 128)
     _launched(fake_gpu, attn, [4096] * 3)
@@ -473,7 +474,7 @@ def test_an_entry_names_the_planner_it_was_measured_under(tmp_path):
     """Absent means the wave model (tables written before the short-row rule); the tuner's entries
     say 'short-rows'; an unknown name is refused when the table is read."""
     path = tables.table_path(tmp_path, ARCH, GPU)
-    tables.save(path, header(), [entry("b1-l2k", TUNED_SPLIT), entry("b4-l8k", TUNED_SPLIT, planner="short-rows")])
+    writing.save(path, header(), [entry("b1-l2k", TUNED_SPLIT), entry("b4-l8k", TUNED_SPLIT, planner="short-rows")])
     loaded = {e.bucket.name: e for e in tables.load(path).entries}
     assert (loaded["b1-l2k"].planner, loaded["b4-l8k"].planner) == ("waves", "short-rows")
     assert path.read_text().count("planner:") == 1  # the default stays absent
@@ -698,12 +699,12 @@ def test_run_trials_stops_at_the_asked_count():
     and repeated candidates cost no measurement and are not counted."""
     pytest.importorskip("optuna")
     study, obj, done = _searched(13)
-    assert done == 13 and len(search.measured(study)) == 13
-    assert len(search.finished(study)) > 13  # some were invalid combinations, pruned
+    assert done == 13 and len(studies.measured(study)) == 13
+    assert len(studies.finished(study)) > 13  # some were invalid combinations, pruned
     assert search.run_trials(study, KEY, ARCH, obj, trials=13) == 0
     assert search.run_trials(study, KEY, ARCH, obj, trials=17) == 4
-    assert len(search.measured(study)) == 17
-    names = [t.user_attrs["spec"] for t in search.measured(study)]
+    assert len(studies.measured(study)) == 17
+    names = [t.user_attrs["spec"] for t in studies.measured(study)]
     assert len(names) == len(set(names))  # no candidate measured twice
 
 
@@ -723,7 +724,7 @@ def test_finish_is_never_slower_than_the_default(bucket):
     """The entry finish() writes is at least as fast as the built-in choice on its own figures."""
     pytest.importorskip("optuna")
     study, obj, _ = _searched(24, bucket)
-    outcome = search.finish(study, KEY, keys.parse_bucket(bucket), ARCH, obj)
+    outcome = confirm.finish(study, KEY, keys.parse_bucket(bucket), ARCH, obj)
     e = outcome.entry
     assert e.tuned_us <= e.default_us and e.speedup >= 1
     # 32 x 4k fills the SMs in rows: every split candidate launches the built-in dense program
@@ -735,7 +736,7 @@ def test_finish_is_never_slower_than_the_default(bucket):
     else:  # the final round's figures, the candidate MARGIN faster there
         assert e.default_plan == obj.runs(None) != obj.runs(e.spec)
         assert (e.tuned_us, e.default_us) == (outcome.confirm[f"final {e.spec.name}"], outcome.confirm["final built-in"])
-        assert e.tuned_us <= e.default_us * (1 - search.MARGIN)
+        assert e.tuned_us <= e.default_us * (1 - confirm.MARGIN)
     assert len(outcome.trials) >= 24
 
 
@@ -744,7 +745,7 @@ def test_a_failing_candidate_is_a_failed_trial_and_never_wins():
     are never the winner, even where the cost model would rank them first."""
     optuna = pytest.importorskip("optuna")
     fast = _searched(24)
-    best = search.finish(fast[0], KEY, keys.parse_bucket("b1-l2k"), ARCH, fast[1]).entry.spec
+    best = confirm.finish(fast[0], KEY, keys.parse_bucket("b1-l2k"), ARCH, fast[1]).entry.spec
     assert best is not None and best.stages == 3  # what the failures below take away
 
     study, obj, done = _searched(24, fails=lambda s: s.stages == 3, refuses=lambda s: s.warps == 8)
@@ -753,7 +754,7 @@ def test_a_failing_candidate_is_a_failed_trial_and_never_wins():
     reasons = [t.user_attrs.get("reason", "") for t in failed]
     assert any(r.startswith("mismatch:") for r in reasons) and any(r.startswith("compile ") for r in reasons)
     assert all(t.value is None for t in failed)
-    outcome = search.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
+    outcome = confirm.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
     winner = outcome.entry.spec
     assert winner is None or (winner.stages != 3 and winner.warps != 8)
     failed_names = {t.user_attrs["spec"] for t in failed}
@@ -764,7 +765,8 @@ def test_a_failing_candidate_is_a_failed_trial_and_never_wins():
 
 _WORKER = textwrap.dedent("""
     import sys, time
-    from splitkv.autotune import costmodel, keys, search
+    from splitkv.autotune import confirm, costmodel, search, studies
+    from splitkv.tuned import keys
 
     journal, trials, sleep = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     key, bucket = keys.TuneKey(128, 4), keys.parse_bucket("b1-l2k")
@@ -774,7 +776,7 @@ _WORKER = textwrap.dedent("""
             time.sleep(sleep)
             return super().measure(spec, iters)
 
-    study = search.open_study("resume", journal, seed=0)
+    study = studies.open_study("resume", journal, seed=0)
     search.enqueue_defaults(study, key, bucket, "sm_90")
     print("ran", search.run_trials(study, key, "sm_90", Slow(key, bucket, "sm_90"), trials=trials), flush=True)
 """)
@@ -796,11 +798,11 @@ def _run_worker(journal: Path, trials: int) -> str:
 
 
 def _journal_study(journal: Path):
-    return search.open_study("resume", str(journal))
+    return studies.open_study("resume", str(journal))
 
 
 def _finished_states(study) -> dict:
-    done = {t.number for t in search.finished(study)}
+    done = {t.number for t in studies.finished(study)}
     return {n: s for n, s in states(study).items() if n in done}
 
 
@@ -811,11 +813,11 @@ def test_a_second_process_resumes_the_study(tmp_path):
     journal = tmp_path / "j.log"
     assert _run_worker(journal, 7) == "ran 7"
     before = _finished_states(_journal_study(journal))
-    assert len(search.measured(_journal_study(journal))) == 7
+    assert len(studies.measured(_journal_study(journal))) == 7
     assert _run_worker(journal, 15) == "ran 8"
     study = _journal_study(journal)
     after = _finished_states(study)
-    assert len(search.measured(study)) == 15
+    assert len(studies.measured(study)) == 15
     assert {n: after[n] for n in before} == before
     # The built-in programs were enqueued once, not again by the second run.
     assert sorted(t.user_attrs.get("builtin") for t in study.trials if "builtin" in t.user_attrs) == ["dense", "split"]
@@ -834,7 +836,7 @@ def test_a_killed_run_loses_nothing_it_finished(tmp_path):
             complete = 0
             if journal.exists():
                 try:  # loaded, not created: the worker creates it
-                    study = optuna.load_study(study_name="resume", storage=search.make_storage(str(journal)))
+                    study = optuna.load_study(study_name="resume", storage=studies.make_storage(str(journal)))
                     complete = sum(t.state.name == "COMPLETE" for t in study.get_trials(deepcopy=False))
                 except KeyError:  # not created yet
                     pass
@@ -847,11 +849,11 @@ def test_a_killed_run_loses_nothing_it_finished(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     before = _finished_states(_journal_study(journal))
     assert sum(state == "COMPLETE" for state, _, _ in before.values()) >= 3
-    target = len(search.measured(_journal_study(journal))) + 6
+    target = len(studies.measured(_journal_study(journal))) + 6
     assert _run_worker(journal, target) == "ran 6"
     study = _journal_study(journal)
     after = _finished_states(study)
-    assert len(search.measured(study)) == target
+    assert len(studies.measured(study)) == target
     assert {n: after[n] for n in before} == before
     # The trials the killed process was measuring are failed as interrupted, and not counted.
     assert not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
@@ -869,15 +871,15 @@ def test_a_trial_left_naming_no_process_is_failed_once_its_askers_are_gone(other
     pytest.importorskip("optuna")
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    askers = [(search._HOST, gone.pid)]
+    askers = [(studies.HOST, gone.pid)]
     if other_asker:
-        askers.append((search._HOST, os.getpid()) if other_asker == "alive" else ("another-host", gone.pid))
+        askers.append((studies.HOST, os.getpid()) if other_asker == "alive" else ("another-host", gone.pid))
     study = memory_study()
     for host, pid in askers:
-        study.set_user_attr(f"{search.ASKER_ATTR} {host} {pid}", dict(host=host, pid=pid))
+        study.set_user_attr(f"{studies.ASKER_ATTR} {host} {pid}", dict(host=host, pid=pid))
     study.ask()
-    study.ask().set_user_attr("host", search._HOST)
-    assert search.fail_interrupted(study) == (0 if other_asker else 2)
+    study.ask().set_user_attr("host", studies.HOST)
+    assert studies.fail_interrupted(study) == (0 if other_asker else 2)
     assert {t.state.name for t in study.trials} == {"RUNNING" if other_asker else "FAIL"}
     assert all(t.user_attrs.get("interrupted") is (None if other_asker else True) for t in study.trials)
 
@@ -911,8 +913,8 @@ def test_cli_tunes_with_the_cost_model(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     assert cli.main(argv) == 0  # resumed: the study already holds its trials
-    name = keys.study_name("", "cost model", "sm_90", KEY, keys.parse_bucket("b1-l2k"), keys.code_version())
-    assert len(search.measured(search.open_study(name, str(tmp_path / "j.log")))) == 12
+    name = versions.study_name("", "cost model", "sm_90", KEY, keys.parse_bucket("b1-l2k"), versions.code_version())
+    assert len(studies.measured(studies.open_study(name, str(tmp_path / "j.log")))) == 12
 
 
 def test_a_report_is_written_afterwards_from_the_table_and_the_storage(tmp_path, capsys):
@@ -925,7 +927,7 @@ def test_a_report_is_written_afterwards_from_the_table_and_the_storage(tmp_path,
     path = out / "sm_90" / "cost_model.yaml"
     (written,) = tables.load(path).entries
     other = dataclasses.replace(written, bucket=BUCKETS_BY_NAME["b32-l4k"])  # tuned elsewhere: no study here
-    tables.save(path, tables.load(path).header, [other])
+    writing.save(path, tables.load(path).header, [other])
     capsys.readouterr()
 
     rep = tmp_path / "rep"
@@ -936,12 +938,12 @@ def test_a_report_is_written_afterwards_from_the_table_and_the_storage(tmp_path,
     results = json.loads((rep / "results.json").read_text())
     (study,) = results["studies"]
     assert study["entry"] == written.to_dict() and study["confirm"] == {}
-    name = keys.study_name("", "cost model", "sm_90", KEY, BUCKETS_BY_NAME["b1-l2k"], keys.code_version())
-    trials = search.open_study(name, str(tmp_path / "j.log")).trials
+    name = versions.study_name("", "cost model", "sm_90", KEY, BUCKETS_BY_NAME["b1-l2k"], versions.code_version())
+    trials = studies.open_study(name, str(tmp_path / "j.log")).trials
     assert [t["number"] for t in study["trials"]] == [t.number for t in trials] and len(trials) >= 12
     assert "cost model" in results["objective"] and KEY.label in (rep / "summary.md").read_text()
     # The time the run took per phase comes from the storage too.
-    assert set(study["seconds"]) == set(search.PHASES) and all(v >= 0 for v in study["seconds"].values())
+    assert set(study["seconds"]) == set(studies.PHASES) and all(v >= 0 for v in study["seconds"].values())
     assert "s sample/compile/measure/confirm" in (rep / "summary.md").read_text()
 
     with pytest.raises(SystemExit):
@@ -1004,10 +1006,11 @@ def test_tuning_compiles_with_jobs_given_or_the_cpus_shared_by_the_workers(monke
     """--jobs sets the candidates compiled at a time; without it one process takes every CPU and
     each of N workers on the host 1/N of them (their command lines say so)."""
     from splitkv.autotune import cli as tune_cli
+    from splitkv.autotune import tuning, workers
 
-    monkeypatch.setattr(tune_cli.os, "cpu_count", lambda: 32)
-    assert (tune_cli.compile_jobs(None), tune_cli.compile_jobs(None, 2), tune_cli.compile_jobs(None, 64)) == (32, 16, 1)
-    assert tune_cli.compile_jobs(3, 2) == 3
+    monkeypatch.setattr(tuning.os, "cpu_count", lambda: 32)
+    assert (tuning.compile_jobs(None), tuning.compile_jobs(None, 2), tuning.compile_jobs(None, 64)) == (32, 16, 1)
+    assert tuning.compile_jobs(3, 2) == 3
     started = []
 
     class Exited:
@@ -1019,15 +1022,17 @@ def test_tuning_compiles_with_jobs_given_or_the_cpus_shared_by_the_workers(monke
         def wait(self):
             return 0
 
-    monkeypatch.setattr(tune_cli.subprocess, "Popen", lambda argv, **kw: started.append(argv) or Exited())
-    monkeypatch.setattr(tune_cli, "_count_trials", lambda args, names: 0)
-    monkeypatch.setattr(tune_cli.tempfile, "mkdtemp", lambda prefix: str(tmp_path))  # the workers' logs
+    monkeypatch.setattr(workers.subprocess, "Popen", lambda argv, **kw: started.append(argv) or Exited())
+    monkeypatch.setattr(workers, "count_trials", lambda run, names: 0)
+    monkeypatch.setattr(workers.tempfile, "mkdtemp", lambda prefix: str(tmp_path))  # the workers' logs
     for given, want in (([], ["--jobs", "16"]), (["--jobs", "5"], ["--jobs", "5"]), (["--jobs=5"], ["--jobs=5"]),
                         (["-j", "5"], ["-j", "5"])):
         started.clear()
-        args = cli.build_parser().parse_args(["--arch", "sm90", "--tune", "--devices", "0,1", *given])
+        parser = cli.build_parser()
+        args = parser.parse_args(["--arch", "sm90", "--tune", "--devices", "0,1", *given])
         args.argv = ["--arch", "sm90", "--tune", "--devices", "0,1", *given]
-        assert tune_cli._run_workers(args, [0, 1], ["study"]) == 0
+        run = tune_cli.run_description(args, parser, ARCH, None, None, None, (0,))
+        assert workers.run_workers(run, [0, 1], ["study"]) == 0
         assert len(started) == 2
         for argv in started:  # one --jobs each, the user's when given
             assert "--devices" not in argv and "0,1" not in argv
@@ -1042,6 +1047,7 @@ def test_workers_tune_keys_apart_and_the_parent_reads_their_outcomes(tmp_path, m
     left. A saved outcome stands only for the trials and settings it was confirmed with."""
     pytest.importorskip("optuna")
     from splitkv.autotune import cli as tune_cli
+    from splitkv.autotune import tuning, workers
 
     out = tmp_path / "t"
     argv = ["--arch", "sm90", "--tune", "--cost-model", "--head-dim", "128", "--group", "1,4", "--dtype", "bf16",
@@ -1050,26 +1056,26 @@ def test_workers_tune_keys_apart_and_the_parent_reads_their_outcomes(tmp_path, m
     bucket = BUCKETS_BY_NAME["b1-l2k"]
 
     def study_of(key):
-        name = keys.study_name("", "cost model", "sm_90", key, bucket, keys.code_version())
-        return search.open_study(name, str(tmp_path / "j.log"))
+        name = versions.study_name("", "cost model", "sm_90", key, bucket, versions.code_version())
+        return studies.open_study(name, str(tmp_path / "j.log"))
 
     # g1: claimed by a live worker of this run; g4: by a live process of an earlier run (stale).
-    study_of(g1).set_user_attr(search.CLAIM_ATTR, dict(host=search._HOST, pid=os.getppid(), run="this run"))
-    study_of(g4).set_user_attr(search.CLAIM_ATTR, dict(host=search._HOST, pid=os.getppid(), run="an old run"))
-    monkeypatch.setenv(tune_cli.WORKER_ENV, "2")
-    monkeypatch.setenv(tune_cli.WORKERS_ENV, "2")
-    monkeypatch.setenv(tune_cli.RUN_ENV, "this run")
-    assert cli.main([*argv, tune_cli.WORKER_FLAG]) == 0
-    assert len(search.measured(study_of(g4))) == 8 and search.OUTCOME_ATTR in study_of(g4).user_attrs
-    assert len(search.measured(study_of(g1))) == 0  # claimed by another live process: left to it
+    study_of(g1).set_user_attr(studies.CLAIM_ATTR, dict(host=studies.HOST, pid=os.getppid(), run="this run"))
+    study_of(g4).set_user_attr(studies.CLAIM_ATTR, dict(host=studies.HOST, pid=os.getppid(), run="an old run"))
+    monkeypatch.setenv(workers.WORKER_ENV, "2")
+    monkeypatch.setenv(workers.WORKERS_ENV, "2")
+    monkeypatch.setenv(workers.RUN_ENV, "this run")
+    assert cli.main([*argv, workers.WORKER_FLAG]) == 0
+    assert len(studies.measured(study_of(g4))) == 8 and studies.OUTCOME_ATTR in study_of(g4).user_attrs
+    assert len(studies.measured(study_of(g1))) == 0  # claimed by another live process: left to it
     (written,) = tables.load(out / "sm_90" / "cost_model.yaml").entries
     assert written.key == g4
 
     finished = []
-    real_finish = search.finish
-    monkeypatch.setattr(search, "finish", lambda study, key, *a, **kw: finished.append(key) or
+    real_finish = confirm.finish
+    monkeypatch.setattr(confirm, "finish", lambda study, key, *a, **kw: finished.append(key) or
                         real_finish(study, key, *a, **kw))
-    monkeypatch.delenv(tune_cli.WORKER_ENV)
+    monkeypatch.delenv(workers.WORKER_ENV)
     capsys.readouterr()
     assert cli.main(argv) == 0
     assert finished == [g1]  # g4's outcome was the worker's
@@ -1079,10 +1085,12 @@ def test_workers_tune_keys_apart_and_the_parent_reads_their_outcomes(tmp_path, m
     assert sorted(e.key.group_size for e in entries) == [1, 4]
     assert next(e for e in entries if e.key == g4) == written
 
-    settings = tune_cli._settings(cli.build_parser().parse_args(argv))
-    assert search.saved_outcome(study_of(g4), ARCH, 8, settings).entry == written
-    assert search.saved_outcome(study_of(g4), ARCH, 9, settings) is None  # more trials asked for
-    assert search.saved_outcome(study_of(g4), ARCH, 8, {**settings, "iters": 99}) is None
+    parser = cli.build_parser()
+    run = tune_cli.run_description(parser.parse_args(argv), parser, ARCH, [128], [1, 4], ["bf16"], (0,))
+    settings = tuning.confirmation_settings(run)
+    assert studies.saved_outcome(study_of(g4), ARCH, 8, settings).entry == written
+    assert studies.saved_outcome(study_of(g4), ARCH, 9, settings) is None  # more trials asked for
+    assert studies.saved_outcome(study_of(g4), ARCH, 8, {**settings, "iters": 99}) is None
 
 
 def test_a_study_whose_asks_ran_out_keeps_its_confirmed_outcome():
@@ -1094,14 +1102,14 @@ def test_a_study_whose_asks_ran_out_keeps_its_confirmed_outcome():
     study, obj = memory_study(), Recording(bucket="b32-l4k")
     search.enqueue_defaults(study, KEY, bucket, ARCH)
     search.run_trials(study, KEY, ARCH, obj, trials=40)
-    count = len(search.measured(study))
-    assert count < 40 and len(search.finished(study)) >= search.MAX_ASKS * 40  # its asks ran out
-    outcome = search.finish(study, KEY, bucket, ARCH, obj)
+    count = len(studies.measured(study))
+    assert count < 40 and len(studies.finished(study)) >= studies.MAX_ASKS * 40  # its asks ran out
+    outcome = confirm.finish(study, KEY, bucket, ARCH, obj)
     settings = dict(iters=20, planner="a")
-    search.save_outcome(study, outcome, settings, 40)
-    assert search.saved_outcome(study, ARCH, 40, settings).entry.to_dict() == outcome.entry.to_dict()
-    assert search.saved_outcome(study, ARCH, 41, settings) is None
-    assert search.saved_outcome(study, ARCH, 40, dict(settings, planner="b")) is None
+    studies.save_outcome(study, outcome, settings, 40)
+    assert studies.saved_outcome(study, ARCH, 40, settings).entry.to_dict() == outcome.entry.to_dict()
+    assert studies.saved_outcome(study, ARCH, 41, settings) is None
+    assert studies.saved_outcome(study, ARCH, 40, dict(settings, planner="b")) is None
 
 
 def test_a_candidate_that_failed_is_not_measured_or_counted_again():
@@ -1111,7 +1119,7 @@ def test_a_candidate_that_failed_is_not_measured_or_counted_again():
     study, obj = memory_study(), Recording(fails=lambda s: s.stages == 3)
     search.enqueue_defaults(study, KEY, keys.parse_bucket("b1-l2k"), ARCH)
     search.run_trials(study, KEY, ARCH, obj, trials=24)
-    counted = [t.user_attrs["spec"] for t in search.measured(study)]
+    counted = [t.user_attrs["spec"] for t in studies.measured(study)]
     assert len(counted) == 24 and len(counted) == len(set(counted))
     failed_names = [s.name for s in obj.measured if s is not None and s.stages == 3]
     assert failed_names and len(failed_names) == len(set(failed_names))  # each failure measured once
@@ -1135,7 +1143,7 @@ def test_an_error_while_measuring_leaves_no_trial_running():
         search.run_trials(study, KEY, ARCH, obj, trials=10)
     assert not [t for t in study.trials if t.state.name == "RUNNING"]
     interrupted = [t for t in study.trials if "interrupted" in t.user_attrs]
-    assert interrupted and len(search.measured(study)) == 2
+    assert interrupted and len(studies.measured(study)) == 2
 
 
 def test_a_program_that_failed_for_a_passing_reason_is_compiled_again():
@@ -1167,9 +1175,9 @@ def test_the_parent_tunes_what_a_failed_worker_left(tmp_path, monkeypatch, capsy
     """Workers that exit with an error (killed, say) leave studies untuned: the parent tunes them,
     prints the summary, and still says that something failed."""
     pytest.importorskip("optuna")
-    from splitkv.autotune import cli as tune_cli
+    from splitkv.autotune import workers
 
-    monkeypatch.setattr(tune_cli, "_run_workers", lambda args, devices, names: 1)
+    monkeypatch.setattr(workers, "run_workers", lambda run, devices, names: 1)
     argv = ["--arch", "sm90", "--tune", "--cost-model", "--head-dim", "128", "--group", "4", "--dtype", "bf16",
             "--bucket", "b1-l2k", "--trials", "6", "--storage", str(tmp_path / "j.log"), "--devices", "0,1",
             "--out", str(tmp_path / "t")]
@@ -1181,10 +1189,10 @@ def test_the_parent_tunes_what_a_failed_worker_left(tmp_path, monkeypatch, capsy
 
 def test_worker_command_lines_drop_devices():
     """A worker runs this command line without --devices, in either spelling."""
-    from splitkv.autotune.cli import _without_devices
+    from splitkv.autotune.workers import without_devices
 
-    assert _without_devices(["--tune", "--devices", "0,1", "--trials", "4"]) == ["--tune", "--trials", "4"]
-    assert _without_devices(["--devices=0,0", "--tune"]) == ["--tune"]
+    assert without_devices(["--tune", "--devices", "0,1", "--trials", "4"]) == ["--tune", "--trials", "4"]
+    assert without_devices(["--devices=0,0", "--tune"]) == ["--tune"]
 
 
 def test_the_report_plots_a_bandwidth_sweep(tmp_path):
@@ -1193,7 +1201,7 @@ def test_the_report_plots_a_bandwidth_sweep(tmp_path):
     pytest.importorskip("matplotlib")
     from splitkv.autotune import report
 
-    outcome = search.finish(*_searched(12)[:1], KEY, BUCKETS_BY_NAME["b1-l2k"], ARCH,
+    outcome = confirm.finish(*_searched(12)[:1], KEY, BUCKETS_BY_NAME["b1-l2k"], ARCH,
                             costmodel.CostModelObjective(KEY, BUCKETS_BY_NAME["b1-l2k"]))
     sweeps = {KEY.label: {"lengths": [1024, 4096], "tuned": [40.0, 70.0], "built-in": [38.0, None],
                           "FlashInfer": [30.0, 55.0]}}
@@ -1215,9 +1223,9 @@ def test_save_refuses_a_spec_of_another_key_or_arch(tmp_path):
     """An entry whose program is not one of its key on the table's arch never reaches the file."""
     path = tables.table_path(tmp_path, ARCH, GPU)
     with pytest.raises(tables.TableError, match="not a program of that key"):
-        tables.save(path, header(), [entry("b1-l32k", OTHER_SPLIT)])
+        writing.save(path, header(), [entry("b1-l32k", OTHER_SPLIT)])
     with pytest.raises(tables.TableError, match="not a program of that key"):
-        tables.save(tables.table_path(tmp_path, "sm_80", GPU), header(arch="sm_80"), [entry("b1-l32k", TUNED_SPLIT)])
+        writing.save(tables.table_path(tmp_path, "sm_80", GPU), header(arch="sm_80"), [entry("b1-l32k", TUNED_SPLIT)])
     assert not path.exists()
 
 
@@ -1281,7 +1289,7 @@ def test_an_entry_keeps_the_plan_its_program_ran(tmp_path):
     path = tables.table_path(tmp_path, ARCH, GPU)
     ran = "dense: 1 split(s) of 4096 tokens, 256 CTAs on 132 SMs; " + TUNED_DENSE.name
     builtin = "split: 3 split(s) of 1408 tokens, 768 CTAs on 132 SMs; " + default_spec(ARCH, 128, 4).name
-    tables.save(path, header(), [entry("b32-l4k", TUNED_DENSE, plan=ran, default_plan=builtin), entry("b1-l2k")])
+    writing.save(path, header(), [entry("b32-l4k", TUNED_DENSE, plan=ran, default_plan=builtin), entry("b1-l2k")])
     loaded = {e.bucket.name: e for e in tables.load(path).entries}
     assert (loaded["b32-l4k"].plan, loaded["b32-l4k"].default_plan) == (ran, builtin)
     assert loaded["b1-l2k"].plan is None and loaded["b1-l2k"].default_plan is None
@@ -1364,7 +1372,7 @@ def test_a_lost_gpu_context_stops_the_search_after_recording_its_trial():
     assert "cudaErrorIllegalAddress" in failed[0].user_attrs["reason"]
     obj.measure = lambda spec, iters=None: Recording.measure(obj, spec, iters)
     search.run_trials(study, KEY, ARCH, obj, trials=10)
-    assert len(search.measured(study)) == 10 and culprit not in [s.name for s in obj.measured if s is not None]
+    assert len(studies.measured(study)) == 10 and culprit not in [s.name for s in obj.measured if s is not None]
 
 
 def test_a_candidate_that_launches_what_another_did_is_not_measured_again():
@@ -1376,12 +1384,12 @@ def test_a_candidate_that_launches_what_another_did_is_not_measured_again():
     builtin = obj.runs(None)
     first = study.trials[0]
     assert first.user_attrs["runs"] == builtin and "repeat_of" not in first.user_attrs
-    dense = [t for t in search.finished(study) if t.state.name == "COMPLETE" and t.params.get("variant") == "dense"]
+    dense = [t for t in studies.finished(study) if t.state.name == "COMPLETE" and t.params.get("variant") == "dense"]
     assert dense, "the sampler proposed no dense candidate: nothing was tested"
     for t in dense:
         assert t.user_attrs["runs"] == builtin and t.user_attrs["repeat_of"] == 0 and t.value == first.value
     assert not [s for s in obj.measured if s is not None and s.variant == "dense"]
-    runs = [t.user_attrs["runs"] for t in search.measured(study)]
+    runs = [t.user_attrs["runs"] for t in studies.measured(study)]
     assert len(runs) == len(set(runs)) == 16
 
 
@@ -1403,9 +1411,9 @@ def test_finish_takes_no_candidate_that_launches_the_builtin_programs():
     for spec in (default_spec(ARCH, 128, 4, variant="dense"), default_spec(ARCH, 128, 4).replace(stages=3)):
         study.enqueue_trial(space.params_of(spec, KEY, ARCH))
     search.run_trials(study, KEY, ARCH, obj, trials=8)
-    outcome = search.finish(study, KEY, bucket, ARCH, obj)
+    outcome = confirm.finish(study, KEY, bucket, ARCH, obj)
     confirmed = [name for name in outcome.confirm if name != "built-in" and not name.startswith("final")]
-    launches = [obj.runs(s) for s, _ in search.best_specs(study, KEY, ARCH, None) if s.name in confirmed]
+    launches = [obj.runs(s) for s, _ in confirm.best_specs(study, KEY, ARCH, None) if s.name in confirmed]
     assert obj.runs(None) not in launches and len(launches) == len(set(launches)) == len(confirmed) >= 1
     assert outcome.entry.spec is None or obj.runs(outcome.entry.spec) != obj.runs(None)
 
@@ -1428,17 +1436,17 @@ def test_a_study_keeps_the_seconds_each_phase_took():
 
     study, obj = memory_study(), Slow(bucket="b1-l2k")
     search.run_trials(study, KEY, ARCH, obj, trials=6)
-    spent = search.study_seconds(study)
+    spent = studies.study_seconds(study)
     assert set(spent) == {"sample", "compile", "measure"}
     assert spent["compile"] >= 0.05 and spent["measure"] >= 0.005 * 6
-    outcome = search.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
-    assert set(outcome.seconds) == set(search.PHASES) and outcome.seconds["confirm"] >= 0.005 * 4
+    outcome = confirm.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
+    assert set(outcome.seconds) == set(studies.PHASES) and outcome.seconds["confirm"] >= 0.005 * 4
     assert outcome.seconds["compile"] == pytest.approx(spent["compile"], abs=1e-3)  # finish compiles nothing
-    study.set_user_attr(f"{search.SECONDS_ATTR} another-host 1", {"compile": 2.5})  # a second worker
-    assert search.study_seconds(study)["compile"] == pytest.approx(outcome.seconds["compile"] + 2.5)
+    study.set_user_attr(f"{studies.SECONDS_ATTR} another-host 1", {"compile": 2.5})  # a second worker
+    assert studies.study_seconds(study)["compile"] == pytest.approx(outcome.seconds["compile"] + 2.5)
     timed = report.format_summary([outcome.entry], [outcome.seconds]).splitlines()
     assert timed[0].endswith("s sample/compile/measure/confirm")
-    assert timed[1].endswith("/".join(f"{outcome.seconds[p]:.1f}" for p in search.PHASES))
+    assert timed[1].endswith("/".join(f"{outcome.seconds[p]:.1f}" for p in studies.PHASES))
     assert report.format_summary([outcome.entry]).splitlines()[0].endswith("tuned program")
 
 
@@ -1474,8 +1482,8 @@ def test_the_buckets_of_a_key_are_searched_together_while_programs_compile():
     assert waited == [True]  # compiled once, after a measurement that did not wait for it
     assert len(compiled) == len(set(compiled))
     for study, obj, _ in runs:
-        assert len(search.measured(study)) == 10
-        for t in search.measured(study):  # every figure is this bucket's own
+        assert len(studies.measured(study)) == 10
+        for t in studies.measured(study):  # every figure is this bucket's own
             spec = space.build_spec(lambda name, values: t.params[name], KEY, ARCH)
             assert t.value == costmodel.predict_us(costmodel.launched(spec, KEY, obj.bucket, ARCH), obj.bucket)
 
@@ -1491,7 +1499,7 @@ def test_recording_the_seconds_never_hides_the_error_that_ended_the_phase():
         def set_user_attr(self, name, value):
             raise OSError("disk full")
 
-    clock = search._Clock(Refusing())
+    clock = studies.PhaseClock(Refusing())
     with pytest.warns(RuntimeWarning, match="disk full"), pytest.raises(objective.ContextLost):
         try:
             with clock.phase("measure"):
@@ -1508,8 +1516,8 @@ def test_recording_the_seconds_never_hides_the_error_that_ended_the_phase():
     study, obj = memory_study(), BuiltinFails(bucket="b1-l2k")
     search.run_trials(study, KEY, ARCH, obj, trials=4)
     with pytest.raises(objective.TrialFailed):
-        search.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
-    assert "confirm" in search.study_seconds(study)
+        confirm.finish(study, KEY, keys.parse_bucket("b1-l2k"), ARCH, obj)
+    assert "confirm" in studies.study_seconds(study)
 
 
 def test_confirmation_rounds_alternate_their_order():
@@ -1517,7 +1525,7 @@ def test_confirmation_rounds_alternate_their_order():
     measured first."""
     obj = Recording(bucket="b1-l32k")
     a, b = default_spec(ARCH, 128, 4).replace(stages=3), default_spec(ARCH, 128, 4).replace(warps=8, tile_tokens=16)
-    search.confirm(obj, [a, b], rounds=3)
+    confirm.confirm(obj, [a, b], rounds=3)
     names = [None if s is None else s.name for s in obj.measured]
     assert names == [None, a.name, b.name, b.name, a.name, None, None, a.name, b.name]
 
@@ -1549,10 +1557,10 @@ def test_a_winner_must_be_a_margin_faster_and_pass_its_last_check(factor, verify
     search.run_trials(study, KEY, ARCH, obj, trials=12)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        entry = search.finish(study, KEY, bucket, ARCH, obj).entry
+        entry = confirm.finish(study, KEY, bucket, ARCH, obj).entry
     assert (entry.spec is not None) == tuned
     if tuned:
-        assert entry.tuned_us < entry.default_us * (1 - search.MARGIN)
+        assert entry.tuned_us < entry.default_us * (1 - confirm.MARGIN)
     else:
         assert entry.tuned_us == entry.default_us
     assert any("ragged" in str(w.message) for w in caught) == verify_fails
@@ -1576,7 +1584,7 @@ def test_the_shipped_h200_table():
             assert e.tuned_us == e.default_us
         else:
             assert lookup.programs(e.spec, "sm_90", e.key) != lookup.programs(None, "sm_90", e.key)
-            assert e.tuned_us <= e.default_us * (1 - search.MARGIN), (e.key.label, e.bucket.name)
+            assert e.tuned_us <= e.default_us * (1 - confirm.MARGIN), (e.key.label, e.bucket.name)
             # What it launched (the plan it records) is not what the built-in choice launched. An
             # entry that does not record the latter launches none of the built-in programs.
             assert e.plan, (e.key.label, e.bucket.name)
@@ -1590,7 +1598,7 @@ def test_the_shipped_h200_table():
             chosen = e.exhaustive["tuned_spec_us" if e.spec else "builtin_spec_us"]
             assert chosen <= e.exhaustive["best_us"] * 1.03 and e.exhaustive["trials_to_within_3pct"] <= e.trials
     assert sum(bool(e.exhaustive) for e in table.entries) >= 4
-    assert tables.dump(table) == path.read_text()  # written by tables.save: sorted, nothing hand-edited
+    assert writing.dump(table) == path.read_text()  # written by writing.save: sorted, nothing hand-edited
 
 
 def test_a_study_that_breaks_does_not_end_the_run(tmp_path, capsys, monkeypatch):
@@ -1653,9 +1661,9 @@ def test_the_code_version_follows_the_templates_and_the_tensor_maps_encoding(mon
     # A study resumes only figures measured with the same programs: a change of a template or of the
     # tensor maps' encoding (the L2 promotion, say) must start new studies.
     read = Path.read_bytes
-    before = keys.code_version.__wrapped__()
+    before = versions.code_version.__wrapped__()
     for changed in ("decode.cu.j2", "kv_formats.cuh", "tensor_map.py"):
         monkeypatch.setattr(Path, "read_bytes", lambda self, name=changed: read(self) + (b"//" if self.name == name else b""))
-        assert keys.code_version.__wrapped__() != before, changed
+        assert versions.code_version.__wrapped__() != before, changed
     monkeypatch.setattr(Path, "read_bytes", read)
-    assert keys.code_version.__wrapped__() == before
+    assert versions.code_version.__wrapped__() == before

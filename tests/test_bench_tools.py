@@ -21,7 +21,7 @@ def _bench_tool(name):
 def test_timeline_stamps_every_phase_of_the_rendered_program():
     # The timeline patches the rendered source at anchors: a kernel edit that moves one must fail
     # here, not silently drop a phase from the table.
-    from splitkv.codegen.render import render
+    from splitkv.codegen.render import flat_source as render  # the kernel with its headers in place
     from splitkv.heuristics import default_spec
 
     timeline = _bench_tool("timeline")
@@ -35,7 +35,7 @@ def test_timeline_stamps_every_phase_of_the_rendered_program():
 def test_every_timeline_anchor_lands_in_a_rendered_program():
     # Phases have several anchors (one per kind of merge): each must still be found, or its
     # stamp silently goes missing for that kind of program.
-    from splitkv.codegen.render import render
+    from splitkv.codegen.render import flat_source as render  # the kernel with its headers in place
     from splitkv.heuristics import default_spec
 
     timeline = _bench_tool("timeline")
@@ -47,7 +47,7 @@ def test_every_timeline_anchor_lands_in_a_rendered_program():
 
 
 def test_ablation_anchors_are_in_the_rendered_programs():
-    from splitkv.codegen.render import render
+    from splitkv.codegen.render import flat_source as render  # the kernel with its headers in place
     from splitkv.heuristics import default_spec
 
     ablate = _bench_tool("ablate")
@@ -69,19 +69,19 @@ def _patches(patch, source):
 
 
 def test_cluster_sizes_forces_whole_row_clusters_and_gives_the_planner_back():
-    from splitkv import runtime
+    from splitkv import planning
     from splitkv.plan import fixed_plan
 
     tool = _bench_tool("cluster_sizes")
-    planner = runtime.fit_clusters
+    planner = planning.fit_clusters
     nine = fixed_plan([65536], 8, variant="split", chunk_size=32, num_splits=9)
-    with tool.whole_row_clusters(runtime, 9):
-        assert runtime.fit_clusters(nine, [65536], 8) == (nine, 9)
+    with tool.whole_row_clusters(planning, 9):
+        assert planning.fit_clusters(nine, [65536], 8) == (nine, 9)
         with pytest.raises(ValueError, match="9 splits after chunk rounding, not 8"):
-            with tool.whole_row_clusters(runtime, 8):
-                runtime.fit_clusters(nine, [65536], 8)
-        assert runtime.fit_clusters(nine, [65536], 8) == (nine, 9)  # the inner block gave the outer's back
-    assert runtime.fit_clusters is planner
+            with tool.whole_row_clusters(planning, 8):
+                planning.fit_clusters(nine, [65536], 8)
+        assert planning.fit_clusters(nine, [65536], 8) == (nine, 9)  # the inner block gave the outer's back
+    assert planning.fit_clusters is planner
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
@@ -209,7 +209,7 @@ def test_timeline_stream_spread_separates_the_sm_part_from_the_launch_part():
 
 def test_warp_phases_counts_every_phase_of_the_rendered_programs():
     # The per-warp counters are patched in at anchors: a kernel edit that moves one must fail here.
-    from splitkv.codegen.render import render
+    from splitkv.codegen.render import flat_source as render  # the kernel with its headers in place
     from splitkv.heuristics import default_spec
 
     tool = _bench_tool("warp_phases")

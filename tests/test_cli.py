@@ -424,7 +424,10 @@ def test_real_codegen_offers_what_the_cli_calls():
         assert callable(getattr(codegen.compile, name)), name
     assert issubclass(codegen.compile.CompilerUnavailableError, Exception)
     assert issubclass(codegen.compile.CacheDirError, OSError)
-    assert set(codegen.helper_headers()) == {"primitives.cuh", "merge.cuh", "kv_formats.cuh"}
+    templates = Path(codegen.__file__).resolve().parent.parent / "templates"
+    # Every header NVRTC may include, by the name the programs include it by (decode/ headers too).
+    assert set(codegen.helper_headers()) == {str(p.relative_to(templates)) for p in templates.rglob("*.cuh")}
+    assert {"primitives.cuh", "merge.cuh", "kv_formats.cuh", "decode/kernel.cuh"} <= set(codegen.helper_headers())
     assert issubclass(codegen.CompileError, Exception)
     err = codegen.CompileError("failed", "the log", Path("kernel.cu"))
     assert err.log == "the log" and err.source_path == Path("kernel.cu")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from splitkv import spec
-from splitkv.tensors import (DecodeShapes, TensorInfo, check_decode_inputs, check_seq_lens, describe,
-                             stream_ptr, to_cupy, wrap_like)
+from splitkv.arrays import TensorInfo, describe, stream_ptr, to_cupy, wrap_like
+from splitkv.tensors import DecodeShapes, check_decode_inputs, check_seq_lens
 
 BASE = 0x7F00_0000_0000  # a plausible, 16-byte aligned device address; never dereferenced
 
@@ -170,7 +170,7 @@ def test_describe_rejects_non_arrays():
 
 
 def test_describe_wraps_cuda_dlpack_through_cupy(monkeypatch):
-    import splitkv.tensors as tensors
+    import splitkv.arrays as arrays
 
     wrapped = []
 
@@ -178,7 +178,7 @@ def test_describe_wraps_cuda_dlpack_through_cupy(monkeypatch):
         wrapped.append(x)
         return FakeCupyArray((2, 8, 64), np.float16, BASE)
 
-    monkeypatch.setattr(tensors, "_cupy_from_dlpack", fake_from_dlpack)
+    monkeypatch.setattr(arrays, "_cupy_from_dlpack", fake_from_dlpack)
     x = FakeDLPack(device_type=2, device_id=3)
     got = describe(x, "q")
     assert wrapped == [x]

@@ -14,6 +14,7 @@ import pytest
 
 from splitkv import runtime, streams, tensors
 from splitkv.heuristics import default_spec
+from splitkv.params import decode_params
 from splitkv.spec import MergeSpec
 from tests.test_inputs import FakeCAI
 
@@ -86,7 +87,10 @@ def fake_gpu(monkeypatch, tmp_path):
         record.loads.append((spec, record.current))
 
         def launch(grid, block, args, shared_mem=0):
-            record.launches.append(types.SimpleNamespace(spec=spec, grid=grid, args=args, device=record.current))
+            # The decode program's one argument points at its Params: read back as the kernel would.
+            params = decode_params(args[0].ptr) if len(args) == 1 else None
+            record.launches.append(types.SimpleNamespace(spec=spec, grid=grid, args=args, params=params,
+                                                         device=record.current))
         return launch, types.SimpleNamespace(registers=96)
 
     def encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes):
@@ -136,7 +140,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(streams, "is_capturing", lambda ptr: False)
     monkeypatch.setattr(runtime, "_instances", type(runtime._instances)())
     # Tuned tables: none shipped, none in a user folder, unless a test writes one to record.tables.
-    from splitkv.autotune import lookup
+    from splitkv.tuned import lookup
 
     record.tables = tmp_path / "tuned"
     monkeypatch.setattr(runtime, "gpu_name", lambda device: "NVIDIA Fake GPU")
@@ -165,7 +169,7 @@ def test_decode_plans_on_its_own_copy_of_device_lengths(fake_gpu):
     lens = _DeviceArray((2,), "<i4", [5, 1000])
     runtime.decode(q, k, v, lens)
     (launch,) = fake_gpu.launches
-    assert int(launch.args[3]) != lens.__cuda_array_interface__["data"][0]  # the lengths' pointer
+    assert int(launch.params["seq_lens"]) != lens.__cuda_array_interface__["data"][0]  # the lengths' pointer
     (attn,) = runtime._instances.values()
     assert attn._launch.seq_lens is not lens and attn._launch.max_len == 1000
 
@@ -435,9 +439,9 @@ def test_paged_runs_pass_the_table_and_map_whole_pages(fake_gpu):
     attn.run(q, k, v)
     (launch,) = fake_gpu.launches
     assert launch.spec.page_size == 16 and launch.spec.kv_layout == "HND" and launch.spec.kv_copy == "tma"
-    *_, table_ptr, stride, num_pages, units = launch.args
-    assert int(table_ptr) == attn._launch.table.ptr and (int(stride), int(num_pages), int(units)) == (4, 10, 0)
-    assert int(launch.args[9]) == 4 * 16  # max_len: the tokens a table row holds
+    table_ptr, stride, num_pages, units = (int(launch.params[f]) for f in ("block_table", "table_stride", "num_pages", "units"))
+    assert table_ptr == attn._launch.table.ptr and (stride, num_pages, units) == (4, 10, 0)
+    assert int(launch.params["max_len"]) == 4 * 16  # max_len: the tokens a table row holds
     # HND: one K/V head's tokens are the map's rows, head_dim its columns; boxes of a page.
     assert fake_gpu.maps == [(k.__cuda_array_interface__["data"][0], 10 * 2 * 16, 128),
                              (v.__cuda_array_interface__["data"][0], 10 * 2 * 16, 128)]
@@ -461,7 +465,7 @@ def test_units_plans_launch_a_cta_per_unit_and_merge_split_rows(fake_gpu):
     q, k, v = _qkv(1, 32, 8, 128, 6096)
     attn.run(q, k, v)
     decode, merge = fake_gpu.launches
-    assert decode.grid == (len(plan.units), 1, 1) and int(decode.args[-1]) == attn._launch.units.ptr
+    assert decode.grid == (len(plan.units), 1, 1) and int(decode.params["units"]) == attn._launch.units.ptr
     assert merge.spec.tables and merge.grid == (attn._launch.units.merge_blocks,)
     buffer = attn._launch.units.array.host
     assert np.array_equal(buffer[: buffer.size], plan.to_buffer(len(plan.units), len(plan.merges)))

@@ -89,7 +89,7 @@ def _fake_device(monkeypatch, tmp_path):
     import cupy
 
     from splitkv import runtime
-    from splitkv.autotune import lookup
+    from splitkv.tuned import lookup
 
     class Device:
         id = 0
@@ -124,7 +124,6 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch, tmp_path):
     # last two arguments, pointing at bytes that hold while the launch is made; a second call over
     # the same caches encodes nothing, another cache gets its own maps.
     import contextlib
-    import ctypes
 
     import cupy
 
@@ -158,10 +157,15 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch, tmp_path):
     launched = []
 
     def decode_fn(grid, block, args, shared_mem):  # reads which cache each map holds, as a launch copies them
-        # The two maps come just before the six arguments of a quantized cache, the three of a
-        # paged one and the units' tables (zeros here).
-        assert all(int(a) == 0 for a in args[-10:])
-        launched.append(tuple(int.from_bytes(ctypes.string_at(m.ptr, 8), "little") for m in args[-12:-10]))
+        # One argument, the Params struct: its maps, and zeros for a quantized cache's scales, a
+        # paged one's table and the units' tables.
+        from splitkv.params import decode_params
+
+        (argument,) = args
+        params = decode_params(argument.ptr)
+        assert all(int(params[f]) == 0 for f in ("k_scale", "k_per_head", "v_scale", "v_per_head", "k_block_scales",
+                                                 "v_block_scales", "block_table", "table_stride", "num_pages", "units"))
+        launched.append(tuple(int.from_bytes(params[m][:8].tobytes(), "little") for m in ("k_map", "v_map")))
 
     spec = KernelSpec(arch="sm_90", head_dim=128, group_size=4, q_dtype="fp16", kv_dtype="fp16", kv_copy="tma")
     attn = DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16", spec=spec)

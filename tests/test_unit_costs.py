@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from splitkv import cli
-from splitkv.autotune import lookup, tables, unit_costs
+from splitkv.autotune import unit_costs, writing
+from splitkv.tuned import lookup, tables
 from splitkv.autotune.objective import TrialFailed
 from splitkv.work_units import CostModel, choose_kv_splits, predicted_makespan
 from tests.test_runtime_fake_gpu import fake_gpu  # noqa: F401 - a fixture, used by name
@@ -22,7 +23,7 @@ SLOTS, BLOCK = 264, 128
 
 
 def _header(gpu=GPU):
-    return tables.make_header(gpu, ARCH, 132, "13.0", "13.0", "0.1.0", date="2026-01-02")
+    return writing.make_header(gpu, ARCH, 132, "13.0", "13.0", "0.1.0", date="2026-01-02")
 
 
 def _unit_costs(costs: CostModel, tuned_us=30.0, default_us=31.0):
@@ -35,14 +36,14 @@ def _unit_costs(costs: CostModel, tuned_us=30.0, default_us=31.0):
 def test_unit_costs_round_trip_through_the_table_and_survive_later_entries(tmp_path):
     path = tables.table_path(tmp_path, ARCH, GPU)
     costs = CostModel(unit_overhead=192, merge_fixed=640, merge_per_partial=24, threshold=0.05)
-    tables.save(path, _header(), [], unit_costs=_unit_costs(costs))
+    writing.save(path, _header(), [], unit_costs=_unit_costs(costs))
     table = tables.load(path)
     assert table.unit_costs == _unit_costs(costs)
-    assert tables.dump(table) == path.read_text()
+    assert writing.dump(table) == path.read_text()
     # Saving kernel entries keeps the costs; saving new costs replaces them.
-    tables.save(path, _header(), [])
+    writing.save(path, _header(), [])
     assert tables.load(path).unit_costs.costs == costs
-    tables.save(path, _header(), [], unit_costs=_unit_costs(CostModel()))
+    writing.save(path, _header(), [], unit_costs=_unit_costs(CostModel()))
     assert tables.load(path).unit_costs.costs == CostModel()
     assert yaml.safe_load(path.read_text())["unit_costs"]["costs"]["threshold"] == CostModel().threshold
 
@@ -80,16 +81,16 @@ def test_lookup_takes_the_gpus_own_costs_then_the_same_archs(tmp_path, monkeypat
     lookup.forget()
     assert lookup.unit_costs(ARCH, GPU) is None
     other = CostModel(threshold=0.07)
-    tables.save(tables.table_path(tmp_path / "shipped", ARCH, "NVIDIA Other GPU"), _header("NVIDIA Other GPU"), [],
+    writing.save(tables.table_path(tmp_path / "shipped", ARCH, "NVIDIA Other GPU"), _header("NVIDIA Other GPU"), [],
                 unit_costs=_unit_costs(other))
     # A cost-model table is never another GPU's.
-    tables.save(tables.table_path(tmp_path / "user", ARCH, lookup.COST_MODEL_GPU), _header(lookup.COST_MODEL_GPU),
+    writing.save(tables.table_path(tmp_path / "user", ARCH, lookup.COST_MODEL_GPU), _header(lookup.COST_MODEL_GPU),
                 [], unit_costs=_unit_costs(CostModel(threshold=0.11)))
     lookup.forget()
     found, source = lookup.unit_costs(ARCH, GPU)
     assert found.costs == other and "same arch" in source and "NVIDIA Other GPU" in source
     own = CostModel(threshold=0.09)
-    tables.save(tables.table_path(tmp_path / "shipped", ARCH, GPU), _header(), [], unit_costs=_unit_costs(own))
+    writing.save(tables.table_path(tmp_path / "shipped", ARCH, GPU), _header(), [], unit_costs=_unit_costs(own))
     lookup.forget()
     found, source = lookup.unit_costs(ARCH, GPU)
     assert found.costs == own and "exact GPU" in source
@@ -107,7 +108,7 @@ def test_units_plans_follow_the_costs_tuned_for_the_gpu(fake_gpu):
     assert DecodeAttention(32, 8, 128).plan([6096], variant="units").split
     whole = CostModel(unit_overhead=10**6)
     path = tables.table_path(fake_gpu.tables, ARCH, GPU)
-    tables.save(path, _header(), [], unit_costs=_unit_costs(whole))
+    writing.save(path, _header(), [], unit_costs=_unit_costs(whole))
     lookup.forget()
     attn = DecodeAttention(32, 8, 128)
     assert attn.unit_costs == whole and str(path) in attn.unit_costs_source
@@ -290,7 +291,7 @@ def test_a_unit_costs_run_merges_its_costs_into_the_table_and_keeps_its_header(t
     monkeypatch.setattr(tune_cli, "_check_gpu", lambda arch, cost_model: dict(
         name=GPU, sm_count=132, cuda_runtime="13.9", nvrtc="13.9"))
     path = tables.table_path(tmp_path, ARCH, GPU)
-    tables.save(path, _header(), [])  # an older run's table: its header names that run
+    writing.save(path, _header(), [])  # an older run's table: its header names that run
     assert cli.main(["--arch", "sm90", "--tune", "--unit-costs", "--trials", "12", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name, _ in unit_costs.WORKLOADS)

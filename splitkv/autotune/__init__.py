@@ -1,7 +1,8 @@
-"""The autotuner and its tables.
+"""The offline tuner: it measures candidates and writes the tuned tables the runtime reads
+(`splitkv.tuned`).
 
-``keys`` (what a choice is keyed by), ``space`` (what the tuner chooses from), ``tables`` (the YAML
-files), ``lookup`` (which entry the runtime uses) need no GPU and no Optuna; ``search`` (Optuna),
-``measure`` (the GPU objective), ``costmodel`` (a GPU-free objective), ``report`` and ``cli``
-(`splitkv-gen --tune`) are imported only by what uses them.
+``space`` (what the tuner chooses from), ``versions`` (study names, code versions) and ``writing``
+(merged, atomic table writes) need no GPU and no Optuna; ``search`` (Optuna), ``measure`` (the GPU
+objective), ``costmodel`` (a GPU-free objective), ``report`` and ``cli`` (`splitkv-gen --tune`) are
+imported only by what uses them.
 """

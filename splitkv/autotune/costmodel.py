@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from ..spec import KernelSpec
-from . import lookup
-from .keys import REFERENCE_KV_HEADS, Bucket, TuneKey
+from ..tuned import lookup
+from ..tuned.keys import REFERENCE_KV_HEADS, Bucket, TuneKey
 from .objective import Measurement, Objective
 
 #: Model constants (H200-like): µs and bytes per µs.

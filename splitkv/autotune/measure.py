@@ -16,8 +16,8 @@ import math
 import numpy as np
 
 from ..spec import QUANTIZED_KV_DTYPES, KernelSpec, MergeSpec
-from . import lookup
-from .keys import REFERENCE_KV_HEADS, Bucket, TuneKey
+from ..tuned import lookup
+from ..tuned.keys import REFERENCE_KV_HEADS, Bucket, TuneKey
 from .compiling import first_lines as _first_lines
 from .objective import ContextLost, Measurement, Objective, TrialFailed
 

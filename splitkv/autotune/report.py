@@ -37,13 +37,13 @@ def outcomes_from_storage(entries, table, storage, prefix: str = "") -> tuple[li
     (under ``prefix``); of several code versions, this one's, else the one started last: give the
     storage (and prefix) of the run that wrote the entries. The confirmation round is not in the
     storage: the outcomes carry none."""
+    from ..tuned.lookup import COST_MODEL_GPU
     from .costmodel import CostModelObjective
-    from .keys import code_version, study_name
-    from .lookup import COST_MODEL_GPU
     from .measure import GpuObjective
-    from .search import Outcome, _optuna, study_seconds, trial_rows
+    from .studies import Outcome, import_optuna, study_seconds, trial_rows
+    from .versions import code_version, study_name
 
-    optuna = _optuna()
+    optuna = import_optuna()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     summaries = optuna.get_all_study_summaries(storage)
     objective = CostModelObjective.name if table.gpu == COST_MODEL_GPU else GpuObjective.name
@@ -63,9 +63,9 @@ def outcomes_from_storage(entries, table, storage, prefix: str = "") -> tuple[li
 
 def format_summary(entries, seconds=None) -> str:
     """The run's summary table: key, bucket, default µs, tuned µs, speedup, % copy bandwidth, program,
-    and with ``seconds`` (per entry, phase -> seconds, see `search.study_seconds`) the time the
+    and with ``seconds`` (per entry, phase -> seconds, see `studies.study_seconds`) the time the
     study took per phase."""
-    from .search import PHASES
+    from .studies import PHASES
 
     timed = seconds is not None and any(seconds)
     head = ("key", "bucket", "default µs", "tuned µs", "speedup", "% copy bw", "tuned program")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 
 from ..spec import MMA_M, STAGES, TILE_TOKENS, KernelSpec, arch_number, rows_fit_tma_boxes
-from .keys import TuneKey
+from ..tuned.keys import TuneKey
 
 #: Tuned fields and their candidate values. ``chunk_tiles`` is the split length in whole CTA
 #: tiles (chunk_size = chunk_tiles x warps x tile_tokens), so a chunk is always a whole tile per warp.

@@ -8,7 +8,7 @@ and torch (the benchmark's inputs and peers).
 
 from __future__ import annotations
 
-from .keys import REFERENCE_KV_HEADS, TuneKey
+from ..tuned.keys import REFERENCE_KV_HEADS, TuneKey
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 #: Peers for one sequence (FlashInfer's tensor-core decode; with several, the faster is kept).

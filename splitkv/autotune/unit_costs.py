@@ -15,10 +15,10 @@ Its PRIOR_COSTS are priors. This search sets them from measurements on the GPU a
   and timed under the benchmark's protocol; the candidate's figure is the geometric mean of the
   workloads' medians;
 - the built-in priors are measured first; the best candidate is measured again against them in
-  rounds of alternating order, and is kept only when it is `search.MARGIN` faster there. Otherwise
+  rounds of alternating order, and is kept only when it is `confirm.MARGIN` faster there. Otherwise
   the priors are kept, with the figures that kept them.
 
-The result goes into the GPU's table as ``unit_costs`` (`tables.UnitCosts`); `DecodeAttention`
+The result goes into the GPU's table as ``unit_costs`` (`splitkv.tuned.tables.UnitCosts`); `DecodeAttention`
 plans its work units with it on that GPU unless it is given costs or ``tuned=False``. Whether the
 default planner routes a ragged batch to units stays decided under the priors, which its routing
 factor (`work_units.ROUTE_FACTOR`) was measured with; the workloads measure the units plans themselves.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..work_units import PRIOR_COSTS, CostModel, choose_kv_splits
-from .keys import REFERENCE_KV_HEADS, TuneKey
+from ..tuned.keys import REFERENCE_KV_HEADS, TuneKey
 
 #: The batches measured: (name, lengths), 8 K/V heads each. Two partial waves of whole rows, a
 #: long row among short ones, a ragged mix, and a batch whose rows fill about one wave.
@@ -102,9 +102,10 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     when the GPU can run nothing more, which ends the search), ``plans(costs)`` a hashable
     description of what they launch. ``trials`` counts distinct launches measured."""
     from .objective import ContextLost, TrialFailed
-    from .search import MARGIN, _optuna
+    from .confirm import MARGIN
+    from .studies import import_optuna
 
-    optuna = _optuna()
+    optuna = import_optuna()
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True)
     study = optuna.create_study(direction="minimize", sampler=sampler)
     study.enqueue_trial(params_of(PRIOR_COSTS))

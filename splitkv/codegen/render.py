@@ -1,8 +1,9 @@
 """Render KernelSpecs into CUDA source with Jinja2.
 
-Jinja only fills parameters; loops, indexing and math stay in the templates' plain CUDA. The
-shared device helpers (``*.cuh``) are plain CUDA headers that the rendered programs ``#include``;
-the compiler hands them to NVRTC by name (see ``helper_headers``).
+Jinja renders only a program's configuration: its constants, types and (decode) the ``Params``
+struct of splitkv/params.py. The kernels themselves are plain CUDA headers (``*.cuh``; the decode
+kernel's under ``decode/``) that the rendered config ``#include``s and that choose among their
+variants in C++; the compiler hands them to NVRTC by name (see ``helper_headers``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import re
 
 import jinja2
 
+from ..params import DECODE_SIZE, config_fields
 from ..work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS
 from ..spec import TMA_BOX_BYTES, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
 
@@ -46,8 +49,42 @@ def helper_headers() -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def _helper_headers() -> dict[str, str]:
-    folder = importlib.resources.files("splitkv") / "templates"
-    return {entry.name: entry.read_text() for entry in folder.iterdir() if entry.name.endswith(".cuh")}
+    """Every ``.cuh`` under the templates, by its path there (``decode/kernel.cuh``): the name the
+    programs include it by."""
+    headers = {}
+
+    def walk(folder, prefix: str) -> None:
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                walk(entry, f"{prefix}{entry.name}/")
+            elif entry.name.endswith(".cuh"):
+                headers[prefix + entry.name] = entry.read_text()
+
+    walk(importlib.resources.files("splitkv") / "templates", "")
+    return headers
+
+
+_INCLUDE_RE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
+
+
+def flat_source(spec: AnySpec) -> str:
+    """The rendered program with the kernel's own headers (``decode/*.cuh``) written out in place of
+    their includes (each once, as ``#pragma once`` would have it): the whole kernel as one text, for
+    the tools that patch it at anchors and compile it with `compile_cubin(spec, source=...)`."""
+    headers, seen = _helper_headers(), set()
+
+    def expand(text: str) -> str:
+        def include(match: re.Match) -> str:
+            name = match.group(1)
+            if not name.startswith("decode/") or name not in headers:
+                return match.group(0)  # the shared helpers stay includes
+            if name in seen:
+                return ""
+            seen.add(name)
+            return expand(headers[name].replace("#pragma once\n", "", 1))
+        return _INCLUDE_RE.sub(include, text)
+
+    return expand(render(spec))
 
 
 def kernel_name(spec: AnySpec) -> str:
@@ -69,7 +106,8 @@ def template_parameters(spec: AnySpec) -> dict:
                       tma_box_bytes=spec.tma_box_bytes if spec.kv_copy == "tma" else TMA_BOX_BYTES,
                       tma_box_rows=spec.tma_box_rows, tile_bytes=spec.tile_bytes, kv_elem_bytes=spec.kv_elem_bytes,
                       unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
-                      cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset)
+                      cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
+                      params_fields=config_fields(), params_size=DECODE_SIZE)
     return params
 
 

@@ -12,7 +12,7 @@ cupy = pytest.importorskip("cupy")
 pytest.importorskip("optuna")
 
 from splitkv import DecodeAttention, cli  # noqa: E402
-from splitkv.autotune import keys, lookup, tables  # noqa: E402
+from splitkv.tuned import keys, lookup, tables  # noqa: E402
 from splitkv.runtime import gpu_name  # noqa: E402
 
 from test_decode_gpu import _rng, check_close, poisoned, random_values, reference  # noqa: E402
@@ -110,7 +110,7 @@ def test_a_winners_last_check_runs_on_the_gpu():
     correct dense program on a ragged batch, the objective's figures are sane, and runs() names
     what each candidate launches on the bucket."""
     from splitkv.autotune import measure
-    from splitkv.autotune.keys import TuneKey, parse_bucket
+    from splitkv.tuned.keys import TuneKey, parse_bucket
     from splitkv.heuristics import default_spec
 
     key, bucket = TuneKey(128, 4), parse_bucket("b1-l4k")
@@ -138,7 +138,7 @@ def test_the_bandwidth_sweep_times_tuned_builtin_and_peers():
     at each length (a peer's figure where it is installed and correct)."""
     pytest.importorskip("torch")
     from splitkv.autotune import sweep
-    from splitkv.autotune.keys import TuneKey
+    from splitkv.tuned.keys import TuneKey
 
     result = sweep.sweep(TuneKey(128, 4), lengths=(2048, 8192), iters=10)
     assert result["lengths"] == [2048, 8192]

@@ -46,7 +46,7 @@ def random_kv(shape, dtype: str, *key):
 
 
 def host(a):
-    return None if a is None else cupy.asnumpy(splitkv.tensors.to_cupy(a))
+    return None if a is None else cupy.asnumpy(splitkv.arrays.to_cupy(a))
 
 
 def assert_bytes_equal(got: QuantizedKV, values, blocks, where=np.s_[...]):

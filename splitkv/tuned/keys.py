@@ -11,12 +11,9 @@ finds the bucket of one sequence of 8 heads, which runs the same CTAs.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..spec import HEAD_DIMS, KV_DTYPES, KV_LAYOUTS, MAX_GROUP, PAGE_SIZES, Q_DTYPES
 
@@ -151,42 +148,3 @@ def gpu_file_stem(gpu_name: str) -> str:
     if not stem:
         raise ValueError(f"gpu name: {gpu_name!r} leaves no file name")
     return stem
-
-
-def study_name(prefix: str, gpu_name: str, arch: str, key: TuneKey, bucket: Bucket, version: str = "") -> str:
-    """One study per (GPU model, arch, key, bucket, code version), under an optional user prefix."""
-    return f"{prefix}{gpu_file_stem(gpu_name)}-{arch}-{key.label}-{bucket.name}" + (f"-{version}" if version else "")
-
-
-#: Host modules (besides the templates) whose code changes what a measured program does.
-_READ_PATH_MODULES = ("tensor_map.py",)
-
-
-@functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """8 hex digits of the splitkv version, the templates and the tensor maps' encoding: a study
-    measured other programs when they differ (the maps' L2 promotion alone moved NVFP4 by 11%), so
-    such a change starts new studies instead of resuming old figures."""
-    from .. import __version__
-
-    digest = hashlib.sha256(__version__.encode())
-    root = Path(__file__).resolve().parent.parent
-    templates = sorted(path for path in (root / "templates").iterdir() if path.is_file())
-    for path in [*templates, *(root / name for name in _READ_PATH_MODULES)]:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:8]
-
-
-#: The modules whose code decides how a candidate is planned on a bucket (what it launches).
-_PLANNER_MODULES = ("plan.py", "work_units.py", "heuristics.py", "runtime.py", "autotune/lookup.py")
-
-
-@functools.lru_cache(maxsize=1)
-def planner_version() -> str:
-    """8 hex digits of the planner's code: a confirmed outcome kept in a study stands only while
-    the candidates would be planned the same (`splitkv.autotune.search.saved_outcome`)."""
-    digest = hashlib.sha256()
-    root = Path(__file__).resolve().parent.parent
-    for name in _PLANNER_MODULES:
-        digest.update(name.encode() + b"\0" + (root / name).read_bytes())
-    return digest.hexdigest()[:8]

@@ -36,18 +36,15 @@ with; without it the planner's built-in priors serve. ``spec`` holds every Kerne
 arch and the key's own; ``spec: null`` says the built-in choice was measured best, and the runtime
 keeps it. ``planner`` names the planner's split-count rules the entry was measured under
 (`PLANNERS`): the runtime plans a tuned program by those rules, so it launches what was measured.
-Entries are sorted by key and bucket, so a table written twice from the same results is the same file. `save` merges: it reads
-what is there, replaces the entries it has new figures for, keeps the rest, and replaces the
-file atomically (a temporary file renamed over it) under a lock, so concurrent writers lose
-nothing and a reader never sees half a file. A file that cannot be read as a table raises
-`TableError` naming the file and what is wrong with it; `save` refuses to overwrite it.
+Entries are sorted by key and bucket, so a table written twice from the same results is the same
+file. A file that cannot be read as a table raises `TableError` naming the file and what is wrong
+with it. This module reads tables (what the runtime needs); the tuner writes them
+(`splitkv.autotune.writing`: merged, atomic, locked).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,16 +220,6 @@ class Table:
         return [e for e in self.entries if e.key == key]
 
 
-def make_header(gpu: str, arch: str, sm_count: int, cuda_runtime: str, nvrtc: str, splitkv: str,
-                date: str | None = None) -> dict:
-    return dict(schema=SCHEMA, gpu=gpu, arch=parse_arch(arch), sm_count=int(sm_count), cuda_runtime=str(cuda_runtime),
-                nvrtc=str(nvrtc), splitkv=str(splitkv), date=date or today())
-
-
-def today() -> str:
-    return datetime.date.today().isoformat()
-
-
 def table_path(directory: Path, arch: str, gpu: str) -> Path:
     """``directory/<arch>/<GPU_NAME>.yaml``."""
     return Path(directory) / parse_arch(arch) / f"{gpu_file_stem(gpu)}.yaml"
@@ -284,63 +271,6 @@ def parse(data) -> Table:
         seen.add((e.key, e.bucket.name))
     unit_costs = None if data.get("unit_costs") is None else UnitCosts.from_dict(data["unit_costs"])
     return Table(header, tuple(sorted(parsed, key=Entry.sort_key)), unit_costs)
-
-
-def dump(table: Table) -> str:
-    data = dict(table.header)
-    if table.unit_costs is not None:
-        data["unit_costs"] = table.unit_costs.to_dict()
-    data["entries"] = [e.to_dict() for e in sorted(table.entries, key=Entry.sort_key)]
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)
-
-
-def merge(old: Table | None, header: dict, entries, unit_costs: UnitCosts | None = None) -> Table:
-    """``old``'s entries with ``entries`` in place of those of the same (key, bucket), under ``header``;
-    ``unit_costs`` replaces old's when given."""
-    merged = {(e.key, e.bucket.name): e for e in (old.entries if old else ())}
-    merged.update({(e.key, e.bucket.name): e for e in entries})
-    if unit_costs is None and old is not None:
-        unit_costs = old.unit_costs
-    return Table(header, tuple(sorted(merged.values(), key=Entry.sort_key)), unit_costs)
-
-
-def save(path: Path, header: dict, entries, unit_costs: UnitCosts | None = None) -> Table:
-    """Merge ``entries`` (and ``unit_costs``, when given) into the table at ``path`` (created with its
-    folder if need be) and write it atomically; returns what was written. Refuses (TableError) to
-    replace a file that is not a table of the same GPU and arch."""
-    path = Path(path)
-    arch = parse_arch(header["arch"])
-    for e in entries:  # what load() would refuse must not reach the file
-        if e.spec is not None and (e.spec.arch != arch or any(
-                getattr(e.spec, name) != value for name, value in e.key.spec_fields().items())):
-            raise TableError(f"{path}: entry {e.key.label} {e.bucket.name} holds {e.spec.name}, "
-                             f"not a program of that key on {arch}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path):
-        old = load(path) if path.exists() else None
-        if old is not None and (old.gpu, old.arch) != (header["gpu"], parse_arch(header["arch"])):
-            raise TableError(f"{path}: holds {old.gpu} ({old.arch}), not {header['gpu']} ({header['arch']})")
-        table = merge(old, header, entries, unit_costs)
-        from ..codegen.compile import atomic_write  # here: `splitkv-gen --help` imports this module, not codegen
-
-        atomic_write(path, dump(table).encode())
-    return table
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on the hidden file ``.<name>.lock`` beside ``path`` (POSIX; elsewhere none)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _without_retired_fields(fields: dict) -> dict:

@@ -1,0 +1,220 @@
+// splitkv decode program: the CTA's result once its warps have streamed their tiles: the warps'
+// states combined (or, with warp_heads, each warp's own row written), then the output, a partial
+// for the global merge (fused: the row's last CTA merges), or a cluster's merge through
+// distributed shared memory.
+#pragma once
+
+namespace splitkv::decode {
+namespace {
+// The pointers and sizes the epilogue writes through, and the CTA's place.
+struct ResultTarget {
+    out_t* out;
+    float* lse;
+    float* partial_o;
+    float* partial_lse;
+    int* counters;
+    int num_kv_heads, num_qo_heads, num_splits;
+    int warp, lane, batch_idx, kv_head;
+};
+
+// The warps' states have been stored into the shared memory at `smem` (WarpStates); `split`,
+// `splits_used`: the CTA's split and the row's splits in use; `partial_slot`: units, the slot of a
+// piece of a split row (or -1).
+__device__ __forceinline__ void write_result(const ResultTarget& at, unsigned char* smem, unsigned long long& inbox_full,
+                                             int split, int splits_used, int partial_slot) {
+    out_t* const out = at.out;
+    float* const lse = at.lse;
+    float* const partial_o = at.partial_o;
+    float* const partial_lse = at.partial_lse;
+    int* const counters = at.counters;
+    const int num_kv_heads = at.num_kv_heads, num_qo_heads = at.num_qo_heads, num_splits = at.num_splits;
+    const int warp = at.warp, lane = at.lane, batch_idx = at.batch_idx, kv_head = at.kv_head;
+    // Per row of `states` (threads < GROUP): the CTA's max m, each warp's weight 2^(m_w - m), the
+    // CTA's sum and log-sum-exp.
+    auto combine_warps = [&](WarpStates states) {
+        float* warp_m = states.m();
+        float* warp_l = states.l();
+        float* row_l = states.row_l();
+        float* row_lse2 = states.row_lse2();
+        if (threadIdx.x < GROUP) {
+            const int row = threadIdx.x;
+            float m = -INFINITY;
+            for (int w = 0; w < WARPS; ++w) m = fmaxf(m, warp_m[w * 16 + row]);
+            float l = 0.f;
+            for (int w = 0; w < WARPS; ++w) {
+                const float weight = m == -INFINITY ? 0.f : splitkv::exp2_approx(warp_m[w * 16 + row] - m);
+                warp_m[w * 16 + row] = weight;
+                l += weight * warp_l[w * 16 + row];
+            }
+            row_l[row] = l;
+            row_lse2[row] = l > 0.f ? m + __log2f(l) : -INFINITY;
+        }
+    };
+    // The CTA's normalised result for output element idx (row idx / HEAD_DIM), from the combined states.
+    auto cta_value_of = [&](WarpStates states, int idx) {
+        const float* weight = states.m();
+        const float* row_l = states.row_l();
+        const float* warp_o = states.o();
+        const int row = idx / HEAD_DIM;
+        float acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) acc += weight[w * 16 + row] * warp_o[(size_t)w * GROUP * HEAD_DIM + idx];
+        const float l = row_l[row];
+        return l > 0.f ? __fdividef(acc, l) : 0.f;  // branch-free: see the warp_heads epilogue
+    };
+    // The CTA's fp32 partial of row (b, h) from the combined `states`, into slot `slot`.
+    auto write_partial = [&](int b, int h, int slot, WarpStates states) {
+        const size_t slot_row0 = ((size_t)b * num_splits + slot) * num_qo_heads + (size_t)h * GROUP;
+        for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
+            partial_o[slot_row0 * HEAD_DIM + idx] = cta_value_of(states, idx);
+        if (threadIdx.x < GROUP) partial_lse[slot_row0 + threadIdx.x] = states.row_lse2()[threadIdx.x];
+    };
+    // Counts the CTA on row (b, h)'s merge counter `which`, once its partials are written. True for
+    // the last of `arrivals`, which also resets the counter (for the next launch, and for CUDA-graph
+    // replays).
+    __shared__ int is_last;
+    auto count_last = [&](int b, int h, int which, int arrivals) {
+        __syncthreads();  // the CTA's partials are written before thread 0 counts it
+        if (threadIdx.x == 0) {
+            // acq_rel: releases the partials this thread synchronised with above, and acquires those
+            // of the CTAs counted before it; the barrier below passes both to the whole CTA.
+            int* counter = counters + ((size_t)b * num_kv_heads + h) * ROW_COUNTERS + which;
+            is_last = splitkv::atomic_add_acq_rel_gpu(counter, 1) == arrivals - 1;
+            if (is_last) *counter = 0;
+        }
+        __syncthreads();
+        return is_last != 0;
+    };
+    // The row's last CTA of `arrivals` merges the first `slots_used` slots, a warp per query head.
+    auto count_and_merge = [&](int b, int h, int arrivals, int slots_used) {
+        if (!count_last(b, h, 0, arrivals)) return;
+        for (int row = warp; row < GROUP; row += WARPS)
+            splitkv::merge_row<HEAD_DIM, out_t>(partial_o, partial_lse, out, lse, b, h * GROUP + row,
+                                                num_qo_heads, num_splits, slots_used, lane);
+    };
+    const WarpStates combined{reinterpret_cast<float*>(smem)};
+    if constexpr (WARP_HEADS) {
+        // Each warp's state is the result for its own K/V head, whose query heads follow those of
+        // the warp before: the CTA's WARPS x GROUP output rows are consecutive, in the order of
+        // the states' accumulators.
+        // Unrolled, with a division that does not branch, so that each thread's loads, divisions
+        // and stores overlap: element after element, the loop was a chain of latencies that kept
+        // the last CTA longer than the one-row program's epilogue.
+        const size_t first_row = (size_t)batch_idx * num_qo_heads + (size_t)blockIdx.y * WARPS * GROUP;
+        constexpr int PER_THREAD = GROUP * HEAD_DIM / 32;  // WARPS x GROUP x HEAD_DIM over WARPS x 32 threads
+        static_assert(GROUP * HEAD_DIM % 32 == 0, "every thread writes the same number of outputs");
+#pragma unroll 8
+        for (int i = 0; i < PER_THREAD; ++i) {
+            const int idx = threadIdx.x + i * WARPS * 32;
+            const int w = idx / (GROUP * HEAD_DIM), row = idx / HEAD_DIM % GROUP;
+            const float l = combined.l()[w * 16 + row];
+            out[first_row * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(l > 0.f ? __fdividef(combined.o()[idx], l) : 0.f);
+        }
+        if (lse != nullptr && threadIdx.x < WARPS * GROUP) {
+            const int w = threadIdx.x / GROUP, row = threadIdx.x % GROUP;
+            const float l = combined.l()[w * 16 + row];
+            lse[first_row + threadIdx.x] = l > 0.f ? (combined.m()[w * 16 + row] + __log2f(l)) * LN2 : -INFINITY;
+        }
+        return;
+    }
+    const float* row_lse2 = combined.row_lse2();
+    combine_warps(combined);
+    __syncthreads();
+    auto cta_value = [&](int idx) { return cta_value_of(combined, idx); };
+
+    const size_t row0 = (size_t)batch_idx * num_qo_heads + (size_t)kv_head * GROUP;
+    if constexpr (UNITS) {
+        if (partial_slot >= 0) {  // a piece of a split row: its partial into slot [partial_slot][GROUP][HEAD_DIM]
+            for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
+                partial_o[(size_t)partial_slot * GROUP * HEAD_DIM + idx] = cta_value(idx);
+            if (threadIdx.x < GROUP) partial_lse[(size_t)partial_slot * GROUP + threadIdx.x] = row_lse2[threadIdx.x];
+            return;
+        }
+    }
+    if (!SPLIT || splits_used == 1) {  // the row has one split: its CTA writes the final output
+        if constexpr (CLUSTER > 1) splitkv::cluster_wait();  // pairs with the arrival at the start
+        if (split == 0) {
+            for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
+                out[row0 * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(cta_value(idx));
+            if (lse != nullptr && threadIdx.x < GROUP) lse[row0 + threadIdx.x] = row_lse2[threadIdx.x] * LN2;
+        }
+        return;
+    }
+
+    // Partials through global memory fill slots [batch][slot][row]: one slot per split without
+    // clusters, merged by the row's last CTA to arrive; one per cluster with several clusters per
+    // row, merged slice by slice (below).
+    int slot = split, slots_used = splits_used;
+    if constexpr (CLUSTER > 1) {
+        // The row's splits are one cluster, or several (num_splits a multiple of CLUSTER). Member r
+        // merges elements [r SLICE, (r + 1) SLICE) of its cluster's splits: every member pushes
+        // its partial's elements of that range, and its log-sum-exps, into member r's inbox with
+        // asynchronous stores that count their bytes on r's barrier, so no member fences or waits
+        // for its own stores. Nothing is read remotely and no member waits for another to finish
+        // reading, so each one leaves as soon as its own slice is written: to the output when the
+        // cluster is the whole row, else as the slice of the cluster's partial.
+        float* inbox_o = reinterpret_cast<float*>(smem + INBOX_OFFSET);  // [CLUSTER][SLICE]
+        float* inbox_lse2 = inbox_o + CLUSTER * SLICE;                    // [CLUSTER][16]
+        const int rank = (int)splitkv::cluster_rank();
+        const bool whole_row = num_splits == CLUSTER;
+        slot = split / CLUSTER;
+        slots_used = (splits_used + CLUSTER - 1) / CLUSTER;
+        splitkv::cluster_wait();  // every member's inbox barrier is initialised
+        // Four elements per store: SLICE and HEAD_DIM are multiples of 4, so the four belong to one
+        // member and one row, and land 16-byte aligned.
+        for (int idx = 4 * threadIdx.x; idx < GROUP * HEAD_DIM; idx += 4 * WARPS * 32) {
+            const float4 value = make_float4(cta_value(idx), cta_value(idx + 1), cta_value(idx + 2), cta_value(idx + 3));
+            splitkv::store4_async_to_cluster_rank(inbox_o + rank * SLICE + idx % SLICE, idx / SLICE, value, &inbox_full);
+        }
+        for (int i = threadIdx.x; i < CLUSTER * GROUP; i += WARPS * 32)
+            splitkv::store_async_to_cluster_rank(inbox_lse2 + rank * 16 + i % GROUP, i / GROUP, row_lse2[i % GROUP],
+                                                 &inbox_full);
+        splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed
+        if (slot >= slots_used) return;  // a cluster wholly past the length: its partial is never read
+        const size_t slot_row0 = ((size_t)batch_idx * num_splits + slot) * num_qo_heads + (size_t)kv_head * GROUP;
+        const size_t split_row0 = ((size_t)batch_idx * num_splits + split) * num_qo_heads + (size_t)kv_head * GROUP;
+        for (int e = threadIdx.x; e < SLICE && rank * SLICE + e < GROUP * HEAD_DIM; e += WARPS * 32) {
+            const int idx = rank * SLICE + e, row = idx / HEAD_DIM;
+            float m = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < CLUSTER; ++j) m = fmaxf(m, inbox_lse2[j * 16 + row]);
+            float total = 0.f, acc = 0.f;
+            if (m != -INFINITY) {
+#pragma unroll
+                for (int j = 0; j < CLUSTER; ++j) {
+                    const float w = splitkv::exp2_approx(inbox_lse2[j * 16 + row] - m);
+                    total += w;
+                    acc += w * inbox_o[j * SLICE + e];
+                }
+            }
+            const float value = total > 0.f ? __fdividef(acc, total) : 0.f, lse2 = total > 0.f ? m + __log2f(total) : -INFINITY;
+            if (whole_row) {
+                out[row0 * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(value);
+                if (lse != nullptr && idx % HEAD_DIM == 0) lse[row0 + row] = lse2 * LN2;
+            } else {
+                partial_o[slot_row0 * HEAD_DIM + idx] = value;
+                // Each rank's merger reads the log-sum-exps of the rows its slice meets, written
+                // by the members of its own rank: in slot `split` = slot x CLUSTER + rank.
+                if (idx % HEAD_DIM == 0 || e == 0) partial_lse[split_row0 + row] = lse2;
+            }
+        }
+        if (whole_row) return;
+        // Several clusters per row: the members of rank r (one per cluster) have each written slice
+        // r of their cluster's partial, and the last of them to arrive merges slice r of the row.
+        // Every slice has its own counter and merger, so the row's final merge runs on CLUSTER
+        // CTAs at once instead of on the row's last CTA alone.
+        const int slice_end = min((rank + 1) * SLICE, GROUP * HEAD_DIM);
+        if (!FUSED_MERGE || rank * SLICE >= slice_end) return;  // an empty slice (SLICE rounds up)
+        if (!count_last(batch_idx, kv_head, rank, slots_used)) return;
+        constexpr int SPAN = SLICE < HEAD_DIM ? SLICE : HEAD_DIM;
+        splitkv::merge_elements<HEAD_DIM, SPAN, WARPS, out_t>(partial_o, partial_lse, out, lse, batch_idx,
+                                                              kv_head * GROUP, num_qo_heads, num_splits, slots_used,
+                                                              rank * SLICE, slice_end, rank, CLUSTER, warp, lane);
+    } else {
+        write_partial(batch_idx, kv_head, slot, combined);  // without clusters: into the split's slot
+        if (!FUSED_MERGE) return;
+        count_and_merge(batch_idx, kv_head, splits_used, slots_used);
+    }
+}
+}  // namespace
+}  // namespace splitkv::decode

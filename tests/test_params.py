@@ -26,12 +26,10 @@ def test_layout_follows_c_alignment_with_the_maps_64_byte_aligned():
 @pytest.mark.parametrize("spec", [KernelSpec(), KernelSpec(kv_copy="tma", cluster=8, mma_m="tokens"),
                                   default_spec("sm_90", 128, 4, "bf16", "nvfp4", page_size=16, kv_layout="HND"),
                                   default_spec("sm_90", 128, 4).as_units()])
-def test_every_program_declares_the_same_struct_and_asserts_the_host_offsets(spec):
+def test_every_program_declares_the_same_struct_and_asserts_the_host_size(spec):
     source = render(spec)
     body = source[source.index("struct Params {"):source.index("};", source.index("struct Params {"))]
     assert re.findall(r"\b(\w+);", body) == [f for f, _, _ in DECODE_FIELDS]
-    for (name, _, _), offset in zip(DECODE_FIELDS, DECODE_OFFSETS):
-        assert f"__builtin_offsetof(Params, {name}) == {offset}," in source
     assert f"sizeof(Params) == {DECODE_SIZE}," in source
 
 

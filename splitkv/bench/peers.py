@@ -88,18 +88,27 @@ def sdpa_case(layers: Layers, backend: str) -> Case:
     return Case([launcher(i) for i in range(layers.count)], outputs, context=context, info=info, keep=(ks, vs))
 
 
+def _peer_module(module: str, package: str, layers: Layers, no_format: str):
+    """A peer's module, imported; Unavailable when it is not installed or reads neither bf16 nor
+    FP8 K/V of the shape (``no_format`` says why)."""
+    import importlib
+
+    try:
+        found = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001
+        raise Unavailable(f"{package} not installed ({reason(exc)})") from None
+    if layers.shape.kv_dtype not in ("bf16", "fp8_e4m3"):
+        raise Unavailable(no_format)
+    return found
+
+
 def fa3_case(layers: Layers) -> Case:
     """FlashAttention-3's ``flash_attn_with_kvcache`` over the contiguous cache, with scheduler
     metadata made once. Its FP8 path takes q, K and V all in float8_e4m3fn with descale factors:
     the query is quantized per tensor here, and checked against the reference over that query."""
     torch = layers.torch
-    try:
-        import fa3_fwd_interface as fa3
-    except Exception as exc:  # noqa: BLE001
-        raise Unavailable(f"fa3-fwd not installed ({reason(exc)})") from None
+    fa3 = _peer_module("fa3_fwd_interface", "fa3-fwd", layers, f"FA3 has no {layers.shape.kv_dtype} K/V")
     s = layers.shape
-    if s.kv_dtype not in ("bf16", "fp8_e4m3"):
-        raise Unavailable(f"FA3 has no {s.kv_dtype} K/V")
     fp8 = s.kv_dtype == "fp8_e4m3"
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     seqlens = torch.full((s.batch,), s.seq_len, dtype=torch.int32, device="cuda")
@@ -147,13 +156,9 @@ def flashinfer_case(layers: Layers) -> Case:
     same bytes when L is a multiple of 16). FP8 caches go in as their bytes with per-tensor scales;
     FlashInfer has no NVFP4 decode on Hopper."""
     torch = layers.torch
-    try:
-        import flashinfer
-    except Exception as exc:  # noqa: BLE001
-        raise Unavailable(f"flashinfer not installed ({reason(exc)})") from None
+    flashinfer = _peer_module("flashinfer", "flashinfer", layers,
+                              f"FlashInfer has no {layers.shape.kv_dtype} K/V decode for this GPU")
     s = layers.shape
-    if s.kv_dtype not in ("bf16", "fp8_e4m3"):
-        raise Unavailable(f"FlashInfer has no {s.kv_dtype} K/V decode for this GPU")
     pages_per_seq = -(-s.seq_len // PAGE_SIZE)
     pool = (s.batch * pages_per_seq, PAGE_SIZE, s.num_kv_heads, s.head_dim)
 

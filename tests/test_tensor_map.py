@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from splitkv.codegen.render import render
+from splitkv.codegen.render import flat_source
 from splitkv.spec import TMA_BOX_BYTES, KernelSpec
 from splitkv.tensor_map import MAP_ALIGN, MAP_BYTES, TensorMapCache, _aligned_buffer, box_geometry
 
@@ -14,7 +14,7 @@ def test_geometry_of_a_bf16_cache():
     geo = box_geometry(3 * 1000, 8 * 128, 2, 32)
     assert geo["dims"] == (1024, 3000) and geo["row_stride"] == 2048 and geo["box"] == (64, 32)
     # The program takes its box width from the same constant: boxes of 128 bytes, 64 bf16 dims.
-    source = render(KernelSpec(arch="sm_90", kv_copy="tma"))
+    source = flat_source(KernelSpec(arch="sm_90", kv_copy="tma"))  # the config and the headers it includes
     assert f"constexpr int BOX_BYTES = {TMA_BOX_BYTES};" in source
     assert "constexpr int BOX_ELEMS = BOX_BYTES / MAP_ELEM_BYTES;" in source and "constexpr int KV_BITS = 16;" in source
     assert geo["swizzle"] == 3  # the 128-byte swizzle
@@ -34,7 +34,7 @@ def test_geometry_of_an_nvfp4_cache():
     # Tiles start on the 64-byte swizzle's period (8 rows, 512 bytes): 32 rows of 64 bytes and
     # 32 rows of 8 block-scale bytes (2304 bytes) take 2560.
     assert spec.tile_bytes == 2560
-    source = render(spec)
+    source = flat_source(spec)
     assert "constexpr int BOX_BYTES = 64;" in source and "constexpr int TILE_BYTES = 2560;" in source
     with pytest.raises(ValueError, match="32, 64 or 128"):
         box_geometry(3000, 8 * 64, 1, 32, 48)

@@ -592,29 +592,17 @@ class DecodeAttention:
         num_pages = kv_shape[0] if table else 0
         # Tokens per sequence the cache holds: a contiguous cache's rows, or a table row's pages.
         cache_len = table.stride * self.page_size if table else kv_shape[1]
-        table_args = (table.ptr, np.int32(table.stride), np.int32(num_pages)) if table else (np.uint64(0), np.int32(0), np.int32(0))
         units = launch.units
-        tokens_per_split = 0 if units else plan.tokens_per_split
-        # One Params struct (splitkv/params.py), kept on the launch and rewritten field by field
-        # (fields a program does not read stay zero).
+        # One Params struct (splitkv/params.py) per launch and thread: the plan's fields written
+        # when it is made, the arrays' fields on every call (fields a program does not read stay zero).
         packed = launch.params.get(threading.get_ident())
         if packed is None:
-            from cupy.cuda.function import CPointer
-
-            from .params import new_decode_params
-
-            buffer = new_decode_params()
-            packed = launch.params[threading.get_ident()] = (buffer, CPointer(buffer.ctypes.data))
+            packed = launch.params[threading.get_ident()] = self._new_params(launch)
         params, argument = packed
         params["q"], params["k"], params["v"], params["out"], params["lse"] = q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr
-        params["seq_lens"] = launch.seq_lens_ptr
-        params["partial_o"], params["partial_lse"], params["counters"] = launch.workspace_ptrs
-        params["max_len"], params["num_kv_heads"] = cache_len, self.num_kv_heads
-        params["tokens_per_split"], params["scale_log2"] = tokens_per_split, self.sm_scale * _LOG2E
+        params["max_len"], params["num_pages"] = cache_len, num_pages
         (params["k_scale"], params["k_per_head"], params["v_scale"], params["v_per_head"],
          params["k_block_scales"], params["v_block_scales"]) = quantized_args
-        params["block_table"], params["table_stride"], params["num_pages"] = table_args
-        params["units"] = units.ptr if units else 0
         if spec.kv_copy == "tma":
             # The maps' rows: a contiguous cache's tokens ([batch x cache_len][num_kv_heads x head_dim]),
             # a paged one's ([num_pages x page_size][num_kv_heads x head_dim], HND: [num_pages x
@@ -644,6 +632,22 @@ class DecodeAttention:
                 (*launch.workspace_ptrs[:2], launch.seq_lens_ptr, out_ptr, lse_ptr, np.int32(launch.batch),
                  np.int32(self.num_qo_heads), np.int32(plan.num_splits), np.int32(plan.tokens_per_split),
                  np.int32(cache_len)))
+
+    def _new_params(self, launch: _Launch) -> tuple:
+        """(Params buffer, the launch argument pointing at it) with the fields fixed by the plan."""
+        from cupy.cuda.function import CPointer
+
+        from .params import new_decode_params
+
+        params = new_decode_params()
+        params["seq_lens"] = launch.seq_lens_ptr
+        params["partial_o"], params["partial_lse"], params["counters"] = launch.workspace_ptrs
+        params["num_kv_heads"], params["scale_log2"] = self.num_kv_heads, self.sm_scale * _LOG2E
+        params["tokens_per_split"] = 0 if launch.units else launch.plan.tokens_per_split
+        if launch.table is not None:
+            params["block_table"], params["table_stride"] = launch.table.ptr, launch.table.stride
+        params["units"] = launch.units.ptr if launch.units else 0
+        return params, CPointer(params.ctypes.data)
 
     def _validate(self, arrays) -> tuple[list, tuple]:
         """Checks the run's arrays; returns the streams their producers named (interface 'stream')

@@ -4,7 +4,8 @@ For each shape, the planner's plan is timed beside plans whose rows are each one
 given sizes (one split per member, merged in shared memory), under the benchmark's protocol, every
 variant in every position of the call order. Each variant's output is compared with the planner's
 (and checked for NaN). Without sizes, the largest cluster every row fits into at once, 8 and 4 are
-tried. This is how `plan.WHOLE_ROW_SHARE` was measured (BENCHMARKS.md).
+tried. This is how `plan.WHOLE_ROW_SHARE` was measured (docs/experiments.md: "Whole-row clusters",
+"Clusters of 8, not 9").
 
     python bench/cluster_sizes.py 1:32:8:128:64k@8,9 2:32:8:128:4k@4,5 1:32:32:128:64k
     python bench/cluster_sizes.py 1:32:8:128:16k:fp8@8,9 --rounds 6   # quantized caches as the benchmark's

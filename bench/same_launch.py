@@ -1,15 +1,16 @@
 """The tuner's measurement of one launch by its two paths: the built-in choice (what
 ``GpuObjective.measure(None)`` times: ``DecodeAttention(tuned=False)``) and the same programs given
 explicitly as a candidate (``measure(spec)``), in rounds of alternating order. Identical launches
-should measure alike (on an H200 within 0.4%); given the dense program where the built-in choice
-splits (``64:1:b32-l4k:dense``), the two plans differ and so do the figures (BENCHMARKS.md,
-"Tuned table (H200)").
+should measure alike, which is why the tuner identifies a candidate by what it launches and
+measures each launch once (docs/experiments.md: "Identical launches, two paths"). Given the dense
+program where the built-in choice splits (``64:1:b32-l4k:dense``), the two paths launch different
+plans: the control that shows the probe tells launches apart.
 
-    python bench/same_launch.py                      # the cases of that run
+    python bench/same_launch.py                      # the default cases (DEFAULT_CASES)
     python bench/same_launch.py --case 64:1:b32-l4k:split --rounds 20
 
-A case is ``HEAD_DIM:GROUP:BUCKET:VARIANT`` (VARIANT: which built-in program to give explicitly,
-the one the bucket's plan launches). Needs a GPU.
+A case is ``HEAD_DIM:GROUP:BUCKET:VARIANT`` (VARIANT: which built-in program to give explicitly:
+the one the bucket's plan launches, or the other one as the control). Needs a GPU.
 """
 
 from __future__ import annotations

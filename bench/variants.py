@@ -71,8 +71,9 @@ def round_order(count: int, round_index: int) -> list[int]:
     """The order in which round ``round_index`` times ``count`` variants: rotated by one each round,
     so that over ``count`` rounds (or any multiple) every variant takes every position once.
 
-    Where a call stands in the sequence moves its time by up to 0.6 µs on an H200 (BENCHMARKS.md,
-    "Measuring below a microsecond"); one fixed order would charge that to the variants.
+    Where a call stands in a sequence of calls moves its time, consistently from round to round
+    (docs/experiments.md: "Call order moves a figure"); one fixed order would charge that to the
+    variants.
     """
     return [(i + round_index) % count for i in range(count)]
 

@@ -1,8 +1,10 @@
 """The built-in choice of CTA shape per workload key, and occupancy arithmetic.
 
-This is the fallback that tuned tables (a later addition) improve on: one CTA shape per
-(head_dim, group size, dtypes) chosen from measurements on an H200, and the resident-CTA count
-the planner needs, computed from the compiled kernel's registers and shared memory.
+This is the fallback of the tuned tables (`splitkv.tuned`): one CTA shape per (head_dim, group
+size, dtypes) chosen from measurements on an H200, the short-row rule's terms (the bytes in flight
+that saturate the memory system), and the resident-CTA count the planner needs, computed from the
+compiled kernel's registers and shared memory. The measurements behind each choice are in
+docs/experiments.md, under the names given here.
 """
 
 from __future__ import annotations
@@ -22,29 +24,28 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     """The built-in CTA shape: four warps, each streaming its own tiles through a ring in shared memory.
 
     On sm_90 and newer, K/V tiles arrive through tensor maps (``kv_copy="tma"``) wherever a row is a
-    whole number of 128-byte boxes: a stream of 128 CTAs then reads as fast as a plain read kernel
-    (H200, 64k: 72.1 µs vs 71.4 for the read floor, 75.4 with per-lane cp.async), and the decode is
-    4-8% faster from 16k up, 1-6% at 1k-4k (H200, 13ca46a; BENCHMARKS.md). NVFP4's rows of 32-128
-    bytes arrive a box each, their block scales by per-lane cp.async beside them (H200, 32/8, the
-    same CTA shape: 64k 47.0 -> 45.0 µs, 16 x 4k 43.2 -> 38.3). Elsewhere (sm_80, head_dim 96, FP8
+    whole number of 128-byte boxes: per-lane copies cap a stream of 128 CTAs below a plain read
+    kernel, and the copy engine's boxes (one request per box) reach it ("Per-lane cp.async against
+    tensor maps"). NVFP4's rows of 32-128 bytes arrive a box each, their block scales by per-lane
+    cp.async beside them ("NVFP4 values through tensor maps"; the scales as boxes of 16-byte rows
+    were slower: "NVFP4 block scales through tensor maps too"). Elsewhere (sm_80, head_dim 96, FP8
     at head_dim 64) every lane copies 16-byte pieces with cp.async.
 
     Split: 32-token tiles two stages deep, so one split gets a whole number of 128-token chunks
     (one tile per warp), fine enough for the planner to cut short sequences into many splits.
     Dense with cp.async: 16-token tiles three stages deep, three quarters of the ring's bytes, so two
     CTAs share an SM; the dense program runs when the batch alone fills the GPU, often in several
-    waves, and there a second resident CTA hides the first one's prologue and tail (H200, D=128: 4-6%
-    faster at B=64 x 1k and B=128 x 512, within 1% at B=16 x 4k). Dense with tensor maps: the split
-    shape, faster than 16-token tiles three deep at B=64 x 1k (76.8 vs 77.8 µs). head_dim 256 keeps
-    16-token tiles two stages deep for both, to fit the ring in shared memory. Groups up to 8 put the
-    tokens on the MMA's 16 rows (``mma_m="tokens"``) instead of padding the query heads to 16 rows
-    (H200, D=128, G=4: 1-3% faster up to 16k tokens, equal beyond).
+    waves, and there a second resident CTA hides the first one's prologue and tail. Dense with
+    tensor maps: the split shape, which beat 16-token tiles three deep on multi-wave batches once
+    rows arrived as unpadded boxes ("Dense ring"). head_dim 256 keeps 16-token tiles two stages
+    deep for both, to fit the ring in shared memory. Groups up to 8 put the tokens on the MMA's 16
+    rows (``mma_m="tokens"``) instead of padding the query heads to 16 rows, which halves the MMAs
+    where the math is exposed and was never slower ("Tokens on the MMA rows").
 
     Quantized K/V (one shape for dense and split): a tile's bytes shrink with the format, and fewer
-    bytes in flight per SM read slower, so FP8 tiles hold twice the tokens (H200, 32/8 64k: 48.1 µs
-    with 64-token tiles against 59.4 with 32), and NVFP4, whose software E2M1 decode is bound by
-    instruction issue, runs eight warps three stages deep (63.5 µs against 72.5; 64-token tiles:
-    82.5).
+    bytes in flight per SM read slower, so FP8 tiles hold twice the tokens; NVFP4, whose software
+    E2M1 decode is bound by instruction issue, runs eight warps three stages deep instead: more
+    warps to issue the decode, where longer tiles were slower (Quantized K/V: "Built-in shapes").
 
     Paged caches (``page_size`` > 0) keep these shapes; tensor maps take pages of 8 tokens and more
     (a box per page when pages are shorter than a tile), shorter pages per-lane copies; on pages
@@ -54,10 +55,10 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     tma = (arch_number(arch) >= 90 and rows_fit_tma_boxes(head_dim, kv_dtype)
            and (page_size == 0 or page_size >= TMA_SWIZZLE_ROWS))
     # Pages shorter than the 16-token tile split every tile over several pages, a row per page at
-    # the shortest: there the rows in flight per CTA count, and the split shape's 32-token tiles two
-    # deep beat 16 three deep (H200, pages of 1 in a random order, 32/8, D=128: B=16 x 4k 81.4 µs
-    # against 89.4, B=64 x 1k 83.3 against 94.4; the batch fills the SMs once, so no second CTA
-    # shares one). Pages of 2 to 8 follow pages of 1 here unmeasured.
+    # the shortest: there the rows in flight per CTA count, so the split shape's 32-token tiles two
+    # deep beat 16 three deep, and the batches measured fill the SMs once, so no second CTA would
+    # share one ("Dense program on pages shorter than 16 tokens", measured on pages of 1). Pages of
+    # 2 to 8 follow pages of 1 here unmeasured.
     short_pages = 0 < page_size < 16
     small_dense = dense and not tma and kv_dtype not in QUANTIZED_KV_DTYPES and not short_pages
     tile = 16 if head_dim > 128 or small_dense else 32
@@ -90,32 +91,31 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
 def takes_whole_row_clusters(spec: KernelSpec) -> bool:
     """Whether the planner may put each row's splits of ``spec``'s split program in one cluster on
     about half the SMs (`plan.WHOLE_ROW_SHARE`). Half the SMs stream as fast as all of them where
-    each SM streams at full speed; not so for NVFP4's decode, bound by instruction issue (H200,
-    32/8 64k: 46.2 µs on 128 CTAs against 63.4 on 64; 16k: 20.3 against 22.9), nor for paged
-    caches of pages shorter than a tile, fetched a page at a time (H200, 32/8 64k: pages of 16
-    tokens 81.8 µs on 128 CTAs against 89.3 on 64, pages of 1 83.8 against 109.0; pages of 64, a
-    tile or more: 77.1 on 64 CTAs against 79.1 on 128)."""
+    each SM streams at full speed; not so for NVFP4's decode, bound by instruction issue, which
+    needs every SM's issue slots ("NVFP4 needs its 128 CTAs"), nor for paged caches of pages
+    shorter than a tile, fetched a page at a time in smaller requests, where more CTAs must stream
+    to keep the bytes in flight ("16-row boxes need more CTAs"). Pages of a tile or more stream as a
+    contiguous cache does and keep whole-row clusters."""
     return spec.kv_dtype != "nvfp4" and not _short_pages(spec)
 
 
 #: Bytes in flight (the CTAs' rings in shared memory together) at which a K/V stream saturates
 #: the memory system, as measured on an H200: head_dim 128 (134 KB rings) 48 CTAs, head_dim 64 (67 KB)
-#: about 96, head_dim 256 (136 KB) 48 stream short rows as fast as any more CTAs (BENCHMARKS.md,
-#: split counts against the planner).
+#: about 96, head_dim 256 (136 KB) 48 stream short rows as fast as any more CTAs. More CTAs add only
+#: partials to merge (docs/experiments.md: "The short-row rule").
 SATURATING_BYTES_IN_FLIGHT = 6 << 20
 
 #: Pages shorter than a tile arrive a page at a time, so more bytes must be in flight. Copied a row
-#: per lane (pages under `TMA_SWIZZLE_ROWS` tokens): twice as many (H200, 3 x 8 rows of 4096 tokens
-#: in pages of 1: 4 splits, 96 CTAs, 27.7 µs; 2 splits 35.7; the wave model's 11 splits 32.4).
-#: Through a box per page: a third more, 64 CTAs at head_dim 128, whose splits of 8 rows merge in
-#: one cluster where twice the bytes would take 128 CTAs merged through global memory (H200, pages
-#: of 16 in a random order, 32/8: 1 x 8k 18.9 µs against 20.5, 1 x 16k 29.6 against 30.5,
-#: 4 x 4k 29.6 against 30.6; 3 x 4k keeps 96 CTAs in clusters of 4, 24.5 µs, where 48 took 25.7).
+#: per lane (pages under `TMA_SWIZZLE_ROWS` tokens): twice as many, measured on pages of 1, where
+#: both fewer splits and the wave model's many splits were slower. Through a box per page: a third
+#: more, 64 CTAs at head_dim 128, whose splits of 8 rows merge in one cluster where twice the bytes
+#: would take 128 CTAs merged through global memory, whose tail costs more than the extra CTAs
+#: gain (docs/experiments.md: "Pages of 16 and the short-row rule").
 SHORT_PAGE_IN_FLIGHT_FACTOR = {"cp_async": (2, 1), "tma": (4, 3)}  # (numerator, denominator)
 
 #: Longest split the short-row rule plans on boxed pages shorter than a tile; longer rows go to the
-#: wave model's 128 CTAs (H200, pages of 16: 1 x 24k's 64 CTAs of 1.5 MiB 39.4 µs against 40.0 on
-#: 128, but 2 x 16k's 64 of 2 MiB 48.2 against 47.9, and 1 x 64k's 64 of 4 MiB 78.3 against 77.7).
+#: wave model's 128 CTAs, which streamed splits of 2 MiB and more as fast as the short-row rule's 64
+#: or faster (docs/experiments.md: "Pages of 16 and the short-row rule").
 SHORT_PAGE_FEW_SPLITS_MAX_BYTES = 3 << 19
 
 

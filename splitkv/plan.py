@@ -1,7 +1,11 @@
 """Host planner: decides whether and how finely to split each sequence's K/V across CTAs.
 
-Pure NumPy, no GPU. Everything the launch needs is in the returned ``SplitPlan``; ``plan_splits``
-is the only entry point, so a better planner can replace this one without touching its callers.
+Pure NumPy, no GPU. Everything the launch needs is in the returned ``SplitPlan``. ``plan_splits``
+chooses the split length; ``fit_clusters`` (the cluster size, possibly other split counts),
+``pack_heads`` (a warp per K/V head) and ``fixed_plan`` (a caller's variant and split count) shape
+or replace a plan afterwards. Which of them a batch goes through, given the programs and the GPU,
+is the planning policy's choice (`splitkv.planning.choose_plan`), not this module's. The
+measurements behind the constants are in docs/experiments.md ("Planning and clusters").
 
 A work unit is one (sequence, K/V head), a row. When the rows alone fill a wave of resident
 CTAs, or give nearly every SM one CTA (`DENSE_SM_SHARE`), or no sequence is longer than one chunk,
@@ -13,8 +17,8 @@ some split count reaches it within the grid's limits: the fewest splits whose st
 that count (a power of two where one fits on the SMs, so that a row's splits can merge in one
 cluster), dense when the rows alone reach it. A stream is bound by the bytes in flight, not by the
 CTAs an SM could hold: past the saturating count, more CTAs add only partials to merge and a
-second CTA per SM (H200, 3 x 8 rows of 4096 tokens, head_dim 128: 2 splits 24.7 µs and 4 splits
-24.1, against 27.9 for the 11 splits the wave model below takes).
+second CTA per SM (on an H200 the wave model below cut short rows into several times the splits
+and was slower; docs/experiments.md: "The short-row rule").
 
 Otherwise (long rows, or no saturating count): the longest sequence is cut into ``s`` equal,
 chunk-aligned splits, with ``s`` chosen to minimise a predicted makespan of ``waves *
@@ -35,15 +39,15 @@ from .spec import SPLIT_PLAN_VARIANTS as VARIANTS
 #: Predicted cost of one extra split, in tokens of K/V streamed by one CTA. A split writes, and the
 #: merge reads back, G x D fp32 partials per K/V head (about G tokens' worth of K/V bytes, twice),
 #: and one CTA reads all of a row's partials at the end. 16 is a rough prior for group sizes up to
-#: 8. Measured on an H200 (B=1, 16/2 heads, D=256, 16k): 32 splits on 64 CTAs take 28.8 µs, and
-#: 64 splits on 128 CTAs 31.4 µs, since the last CTA then reads 64 partials of 8 KB per row.
+#: 8. A smaller cost planned 64 splits at head_dim 256 where 32 were faster, since the last CTA
+#: then reads 64 partials of 8 KB per row (docs/experiments.md: "Merge cost per split").
 MERGE_COST_TOKENS_PER_SPLIT = 16
 
 #: The dense program runs when its CTAs (one per row) number at least this share of the SMs, even
 #: where an SM holds several split CTAs: one CTA per SM already streams near the bandwidth, and the
 #: few idle SMs cost less than the splits' partials and merge. On an H200 (head_dim 64, 8 K/V heads,
-#: 3 split CTAs resident per SM) the split planner's 3 splits were slower than dense at 128 rows
-#: (48.8 against 46.1 µs at 4k) and at 256 rows (82.5 against 78.2 µs at 4k, 32.6 against 28.4 at 1k).
+#: 3 split CTAs resident per SM) the split planner's 3 splits were slower than dense at 128 and at
+#: 256 rows, at 1k and 4k tokens (docs/experiments.md: "Dense above 15/16 of the SMs").
 DENSE_SM_SHARE = 15 / 16
 
 #: Upper bound on the grid, in waves of resident CTAs: more splits only add partials to merge.
@@ -51,30 +55,33 @@ MAX_WAVES = 2
 
 #: Largest split, in K/V bytes one CTA streams, planned as the fewest splits that saturate the
 #: memory system; longer splits go to the wave model, where a CTA per SM streams a few percent faster
-#: than the saturating count (H200, head_dim 128, 3 x 8 rows of 32k tokens: 2 splits of 8 MiB
-#: 112.3 µs, 3 splits 108.7; 16k tokens: 2 splits of 4 MiB 63.8, 3 splits 63.6).
+#: than the saturating count (H200, head_dim 128, 3 x 8 rows: at 4 MiB a split the saturating
+#: count's 2 splits tied with 3, at 8 MiB they were slower).
 FEW_SPLITS_MAX_BYTES = 4 << 20
 
 #: Largest K/V bytes per split for which `fit_clusters` trades splits for a cluster merge; a
-#: tuning knob, set from measurements on an H200.
+#: tuning knob, set from measurements on an H200 (docs/experiments.md: "Cluster merge where the
+#: splits fit").
 CLUSTER_SPLIT_BYTES = 256 * 1024
 
 #: Whole-row clusters (every row's splits one cluster, merged in shared memory, no global merge)
-#: are taken when rows x cluster size lies in this share of the SMs, however long the rows. On an
-#: H200 (BENCHMARKS.md, f2257a2) 8 K/V heads in clusters of 8 or 9 (64 or 72 CTAs) beat 16 splits
-#: on 128 CTAs with the global merge by 1.2-2.7 µs at 16k-128k and by 13% at 512k, and 16 rows in
-#: clusters of 4 (64 CTAs) beat 8 splits on 128 CTAs; 80 CTAs (clusters of 5) and 96 (3 or 6)
-#: were slower than the global merge. Half the SMs stream the bytes nearly as fast as all of them.
-#: A power-of-two size is taken before any other in the share: on some H200s (BENCHMARKS.md,
-#: c73573d) clusters of 9 stream 4-13% slower than clusters of 8 (64k 81.8 against 74.3 µs), on
-#: the others the two are within 1%.
+#: are taken when rows x cluster size lies in this share of the SMs, however long the rows. With
+#: the copy engine half the SMs stream the bytes nearly as fast as all of them, and a merge in the
+#: cluster's shared memory leaves a shorter tail than the global merge: on an H200 8 K/V heads in
+#: clusters of 8 or 9 (64 or 72 CTAs) beat 16 splits on 128 CTAs with the global merge from 16k to
+#: 512k tokens, and 16 rows in clusters of 4 (64 CTAs) beat 8 splits on 128 CTAs; 80 CTAs (clusters
+#: of 5) and 96 (3 or 6) were slower than the global merge, for a reason not found
+#: (docs/experiments.md: "Whole-row clusters"). A power-of-two size is taken before any other in
+#: the share: on some H200s clusters of 9 stream markedly slower than clusters of 8, on the others
+#: the two are within 1% ("Clusters of 8, not 9").
 WHOLE_ROW_SHARE = (0.48, 0.55)
-#: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) lost 0.8% at 32/32 64k.
+#: Smallest whole-row cluster taken that way: 32 rows in pairs (64 CTAs) were slower at 32/32 64k
+#: than the plan the planner takes without them.
 MIN_WHOLE_ROW_CLUSTER = 4
 #: The planner gives each warp of the dense program its own K/V head (`pack_heads`) when the CTAs
 #: that leaves still number at least this share of the SMs: one wave or more, as B=64 x 1k x 8 K/V
 #: heads' 128 packed CTAs on 132 SMs. Fewer CTAs leave SMs idle (B=32 x 2k, 64 CTAs: no gain on an
-#: H200).
+#: H200; docs/experiments.md: "A warp per K/V head").
 WARP_HEADS_SHARE = 0.9
 
 
@@ -160,7 +167,7 @@ def plan_splits_unchecked(lens, max_len, num_kv_heads, chunk_size, num_sms, ctas
                           saturating_ctas=None, kv_bytes_per_token=None, max_split_bytes=FEW_SPLITS_MAX_BYTES):
     """`plan_splits` of arguments the caller has checked, as the runtime holds them: ``lens`` an
     int64 array (at least one length, none negative), ``max_len`` its longest, the rest positive
-    ints (or None). Checking them again, and finding the longest again, costs a plan µs each time."""
+    ints (or None). Checking them again, and finding the longest again, would add host time to every plan."""
     units = lens.size * num_kv_heads
     slots = num_sms * ctas_per_sm
     if dense_regardless(units, max_len, chunk_size=chunk_size, num_sms=num_sms, ctas_per_sm=ctas_per_sm):
@@ -228,14 +235,14 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
     count is a power of two up to ``max_cluster`` and every row's cluster is resident at once
     (``resident_clusters(c)`` gives how many clusters of ``c`` CTAs the GPU holds, None when it
     cannot say; clusters need their CTAs in one GPC, which can leave SMs idle). Otherwise the
-    cluster size is 1 and partials merge through global memory, which costs a fixed tail of
-    about 2 µs on an H200 (written, fenced, counted, read back), growing with the number of
+    cluster size is 1 and partials merge through global memory, which costs a fixed tail (the
+    partials written, fenced, counted and read back) after the stream, growing with the number of
     partials the row's last CTA reads back.
 
     Where each split streams little (at most ``max_split_bytes`` of K/V), fewer and longer splits in
     one cluster cost less than the global tail, so with ``may_resplit`` the largest power-of-two
     split count that fits is taken instead (H200, B=1, 8 K/V heads, 4k tokens: 8 splits stream as
-    fast as 16).
+    fast as 16; docs/experiments.md: "Cluster merge where the splits fit").
 
     Failing both, rows of more splits than the largest cluster (``multi_cluster``, which needs
     the fused merge) run as several clusters each: every cluster merges its splits in shared
@@ -289,7 +296,8 @@ def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resid
             if may_resplit:
                 # As many clusters as are resident, but one: measured on an H200 (one CTA per SM),
                 # 6 clusters of 16 per K/V head beat both 4 of 16 and 64 splits in pairs, and 7
-                # lost to 6. No split under a chunk.
+                # lost to 6 (docs/experiments.md: "How many clusters per row"). No split under a
+                # chunk.
                 per_row = min(((held or 0) - 1) // rows, _ceil_div(max_len, chunk_size) // cluster)
             else:
                 per_row = plan.num_splits // cluster if plan.num_splits % cluster == 0 else 0
@@ -313,9 +321,9 @@ def wants_packed_heads(plan: SplitPlan, num_kv_heads: int, *, warps: int, num_sm
     SMs still get a CTA.
 
     Why: a dense batch of many rows runs in several waves of one-row CTAs. With a row per warp,
-    B=64 x 1k x 8 K/V heads is one wave of 128 CTAs, each streaming four rows side by side. On an
-    H200 (BENCHMARKS.md, this layout) that took 75.7 µs against 77.5 for 512 one-row CTAs, and
-    B=128 x 512 (two waves of 128) 77.9 against 77.9.
+    B=64 x 1k x 8 K/V heads is one wave of 128 CTAs, each streaming four rows side by side, which
+    on an H200 was faster than 512 one-row CTAs, and level with them at B=128 x 512 (two waves of
+    128) and B=32 (docs/experiments.md: "A warp per K/V head").
     """
     return (plan.variant == "dense" and warps >= 2 and num_kv_heads % warps == 0
             and plan.num_ctas // warps >= WARP_HEADS_SHARE * num_sms)

@@ -1,5 +1,7 @@
 """CPU tests of the tools under bench/: the anchors their source patches look for, their pure
-helpers, and the kernels they build at run time."""
+helpers, the kernels they build at run time, and the splitkv names they use."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,6 +86,53 @@ def test_cluster_sizes_forces_whole_row_clusters_and_gives_the_planner_back():
     assert planning.fit_clusters is planner
 
 
+_BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.mark.parametrize("path", sorted(_BENCH_DIR.glob("*.py")), ids=lambda path: path.name)
+def test_bench_tool_uses_only_names_that_exist(path):
+    # Most tools run only on a GPU, so an API they still call after the package moved on fails
+    # nowhere else: every splitkv name they import (at the top or inside a function) must exist,
+    # and every name they read must be bound somewhere in the file (a module dropped from the
+    # imports but still used leaves one unbound).
+    import ast
+    import builtins
+    import importlib
+
+    tree = ast.parse(path.read_text(), str(path))
+    missing = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module.partition(".")[0] == "splitkv":
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ModuleNotFoundError:
+                        missing.append(f"{node.module}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.partition(".")[0] == "splitkv":
+                    importlib.import_module(alias.name)
+    assert not missing, f"{path.name} imports what splitkv no longer has: {missing}"
+
+    bound = set(dir(builtins)) | {"__file__", "__name__", "__doc__"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    unbound = {node.id for node in ast.walk(tree)
+               if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound}
+    assert not unbound, f"{path.name} reads names bound nowhere in the file: {sorted(unbound)}"
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
 def test_variant_rounds_put_every_variant_in_every_position(count):
     variants = _bench_tool("variants")
@@ -103,8 +152,8 @@ def test_variant_rounds_put_every_variant_in_every_position(count):
     ("partition_probe", {}, ("static_read", "queue_read")),
 ])
 def test_probe_kernels_compile_for_sm90_without_a_gpu(probe, defines, kernels):
-    # The probes BENCHMARKS.md cites build their kernels from a source string at run time: keep
-    # them compiling, for every variant they time.
+    # The probes build their kernels from a source string at run time, so nothing else compiles
+    # them: keep them compiling, for every variant they time.
     import importlib.util
     import pathlib
 

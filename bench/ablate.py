@@ -140,11 +140,11 @@ def main(argv=None) -> int:
             timings = {"as rendered": harness.time(lambda: attn.run(q, k, v, out=out))}
             for name, patch in ablations.items():
                 try:
-                    object.__setattr__(attn._launch, "decode_fn", patched_kernel(launch.spec, patch))
+                    attn._launch = launch.with_decode_fn(patched_kernel(launch.spec, patch))
                     timings[name] = harness.time(lambda: attn.run(q, k, v, out=out))
                 except ValueError as exc:  # the part is not in this program (e.g. no global merge)
                     timings[name] = exc
-            object.__setattr__(attn._launch, "decode_fn", launch.decode_fn)
+            attn._launch = launch
             timings["read floor (same bytes)"] = harness.time(floor.reader(shape.total_bytes))
         for name, t in timings.items():
             figure = f"{statistics.median(t):8.1f}" if isinstance(t, list) else "     n/a"

@@ -5,6 +5,8 @@ timed alone on the host with `time.perf_counter_ns`; what an eager caller pays p
 kernel is enqueued. Kernels are kept short (small caches) and the queue is drained between blocks of
 calls, outside the timed region, so that no call waits for the GPU's launch queue.
 plan(): the median of ``--plan-calls`` calls with host lengths (a serving step's plan).
+decode(): where a case has one, the median of ``--plan-calls`` one-shot calls on the same inputs
+and lengths with ``out=`` given, and what it costs beyond the medians of its plan() and run().
 
     python bench/host_time.py                       # every case
     python bench/host_time.py --calls 1000 --json out.json
@@ -27,7 +29,8 @@ _BLOCK = 100
 
 
 def _case_table():
-    """name -> (description, builder): each builder returns (attn, run_call, plan_call)."""
+    """name -> (description, builder): each builder returns (attn, run_call, plan_call, decode_call
+    or None)."""
     return {
         "bf16-cupy": ("contiguous BF16, CuPy, 1 x 4k, 32/8 x 128 (split)", lambda: _contiguous("cupy")),
         "bf16-torch": ("contiguous BF16, torch, 1 x 4k, 32/8 x 128 (split)", lambda: _contiguous("torch")),
@@ -88,7 +91,11 @@ def _contiguous(kind: str, *, batch: int = 1, length: int = 4096, lse: bool = Fa
     attn.plan(lens)
     out = _empty_like(kind, q)
     lse_buf = _lse_for(kind, q) if lse else None
-    return attn, (lambda: attn.run(q, k, v, out=out, lse=lse_buf, return_lse=lse)), (lambda: attn.plan(lens))
+    from splitkv import decode
+
+    decode_call = None if lse else (lambda: decode(q, k, v, lens, out=out))
+    return (attn, (lambda: attn.run(q, k, v, out=out, lse=lse_buf, return_lse=lse)), (lambda: attn.plan(lens)),
+            decode_call)
 
 
 def _paged(kind: str, *, batch: int = 4, length: int = 2048, page: int = 16):
@@ -105,7 +112,10 @@ def _paged(kind: str, *, batch: int = 4, length: int = 2048, page: int = 16):
     lens = [length] * batch
     attn.plan(lens, block_table=table)
     out = _empty_like(kind, q)
-    return attn, (lambda: attn.run(q, k, v, out=out)), (lambda: attn.plan(lens, block_table=table))
+    from splitkv import decode
+
+    return (attn, (lambda: attn.run(q, k, v, out=out)), (lambda: attn.plan(lens, block_table=table)),
+            (lambda: decode(q, k, v, lens, block_table=table, out=out)))
 
 
 def _quantized(kv_dtype: str, *, length: int = 4096):
@@ -119,7 +129,7 @@ def _quantized(kv_dtype: str, *, length: int = 4096):
     attn = splitkv.DecodeAttention(hq, hkv, d, kv_dtype=kv_dtype)
     attn.plan([length])
     out = _empty_like("torch", q)
-    return attn, (lambda: attn.run(q, k, v, out=out)), (lambda: attn.plan([length]))
+    return attn, (lambda: attn.run(q, k, v, out=out)), (lambda: attn.plan([length])), None
 
 
 def _units():
@@ -134,7 +144,7 @@ def _units():
     attn = DecodeAttention(hq, hkv, d)
     attn.plan(lens, variant="units")
     out = _empty_like("torch", q)
-    return attn, (lambda: attn.run(q, k, v, out=out)), (lambda: attn.plan(lens, variant="units"))
+    return attn, (lambda: attn.run(q, k, v, out=out)), (lambda: attn.plan(lens, variant="units")), None
 
 
 def _drain():
@@ -163,7 +173,7 @@ def time_calls(call, calls: int) -> list[float]:
 
 
 def measure(name: str, builder, calls: int, plan_calls: int) -> dict:
-    attn, run_call, plan_call = builder()
+    attn, run_call, plan_call, decode_call = builder()
     for _ in range(20):  # warm-up: the first run validates the layout in full
         run_call()
     _drain()
@@ -171,17 +181,27 @@ def measure(name: str, builder, calls: int, plan_calls: int) -> dict:
     plan_times = time_calls(plan_call, plan_calls)
     run_call()  # the plan after the last timed plan() still runs
     _drain()
-    return {"case": name, "plan_info": attn.plan_info,
-            "run_us_median": statistics.median(run_times), "run_us_p90": float(np.percentile(run_times, 90)),
-            "plan_us_median": statistics.median(plan_times), "plan_us_p90": float(np.percentile(plan_times, 90))}
+    result = {"case": name, "plan_info": attn.plan_info,
+              "run_us_median": statistics.median(run_times), "run_us_p90": float(np.percentile(run_times, 90)),
+              "plan_us_median": statistics.median(plan_times), "plan_us_p90": float(np.percentile(plan_times, 90))}
+    if decode_call is not None:
+        for _ in range(20):  # warm-up: its instance compiles and validates once
+            decode_call()
+        decode_times = time_calls(decode_call, plan_calls)
+        result["decode_us_median"] = statistics.median(decode_times)
+        result["decode_beyond_us"] = result["decode_us_median"] - result["plan_us_median"] - result["run_us_median"]
+    return result
 
 
 def markdown(result: dict) -> str:
     """The table BENCHMARKS.md shows of one results file."""
-    lines = ["| case | run() µs | p90 | plan() µs | p90 |", "|---|---:|---:|---:|---:|"]
+    lines = ["| case | run() µs | p90 | plan() µs | p90 | decode() µs | beyond plan + run |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in result["results"]:
+        decode = (f"{r['decode_us_median']:.0f} | {r['decode_beyond_us']:+.0f}" if "decode_us_median" in r
+                  else "– | –")
         lines.append(f"| {r['description']} | {r['run_us_median']:.1f} | {r['run_us_p90']:.1f} | "
-                     f"{r['plan_us_median']:.0f} | {r['plan_us_p90']:.0f} |")
+                     f"{r['plan_us_median']:.0f} | {r['plan_us_p90']:.0f} | {decode} |")
     return "\n".join(lines)
 
 
@@ -205,7 +225,7 @@ def main(argv=None) -> int:
     if args.calls < 1 or args.plan_calls < 1:
         parser.error("--calls and --plan-calls: expected positive ints")
     results = []
-    print(f"{'case':18s} {'run() µs':>9s} {'p90':>6s} {'plan() µs':>10s} {'p90':>7s}  plan")
+    print(f"{'case':18s} {'run() µs':>9s} {'p90':>6s} {'plan() µs':>10s} {'p90':>7s} {'decode()':>9s} {'beyond':>7s}  plan")
     for name in names:
         description, builder = table[name]
         try:
@@ -215,8 +235,10 @@ def main(argv=None) -> int:
             continue
         r["description"] = description
         results.append(r)
+        decode = (f"{r['decode_us_median']:9.1f} {r['decode_beyond_us']:+7.1f}" if "decode_us_median" in r
+                  else f"{'-':>9s} {'-':>7s}")
         print(f"{name:18s} {r['run_us_median']:9.1f} {r['run_us_p90']:6.1f} {r['plan_us_median']:10.1f} "
-              f"{r['plan_us_p90']:7.1f}  {r['plan_info']}", flush=True)
+              f"{r['plan_us_p90']:7.1f} {decode}  {r['plan_info']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"calls": args.calls, "plan_calls": args.plan_calls, "python": sys.version.split()[0],

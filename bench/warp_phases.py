@@ -118,7 +118,7 @@ def main(argv=None) -> int:
             # Compiled as splitkv compiles the program, so that the counters are the only difference.
             module, function, _ = load_module(launch.spec,
                                               source=patched_source(flat_source(launch.spec), num_ctas, launch.spec.warps))
-            object.__setattr__(launch, "decode_fn", function)
+            attn._launch = launch.with_decode_fn(function)
             sums = cupy.ndarray((num_ctas, launch.spec.warps, len(SLOTS)), cupy.int64,
                                 module.get_global("splitkv_phases"))
             samples = []

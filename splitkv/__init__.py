@@ -7,7 +7,8 @@ Public API: `decode` (one call), `DecodeAttention` (plan once per step, run once
 
 from .plan import SplitPlan, plan_splits
 from .quantize import NonFiniteInputError, QuantizedKV, quantize_kv
-from .runtime import DecodeAttention, decode
+from .oneshot import decode
+from .runtime import DecodeAttention
 from .spec import KernelSpec, MergeSpec, QuantizeSpec
 
 __version__ = "0.1.0"

@@ -273,11 +273,45 @@ def stream_ptr(like: Any, stream: Any = None) -> int:
     if stream is not None:
         return _explicit_stream_ptr(stream)
     if is_torch_kind(like):
-        import torch
-        device = like.device if isinstance(like, TensorInfo) else like.device.index
-        return int(torch.cuda.current_stream(device).cuda_stream)
+        return _torch_current_stream(like.device if isinstance(like, TensorInfo) else like.get_device())
     import cupy
     return int(cupy.cuda.get_current_stream().ptr)
+
+
+def launch_stream(like: Any, stream: Any, device: int) -> int:
+    """`stream_ptr` on run()'s path, where ``like`` is known to be on ``device``, the current one:
+    read with the fewest calls (a torch tensor's device is not asked for)."""
+    if stream is not None:
+        return stream if type(stream) is int else _explicit_stream_ptr(stream)
+    if type(like).__module__.startswith("torch"):
+        return _torch_current_stream(device)
+    return _cupy_current_stream().ptr
+
+
+def _cupy_current_stream():
+    """CuPy's current stream of the current device: `cupy.cuda.get_current_stream`, which replaces
+    this function on its first call (an import statement per launch costs more than the call)."""
+    global _cupy_current_stream
+    from cupy.cuda import get_current_stream
+
+    _cupy_current_stream = get_current_stream
+    return get_current_stream()
+
+
+_torch_raw_stream = None
+
+
+def _torch_current_stream(device: int) -> int:
+    """torch's current stream on ``device``: through its raw getter where torch has one (what its
+    own compiled code calls; `torch.cuda.current_stream` builds a Stream object on every call)."""
+    global _torch_raw_stream
+    if _torch_raw_stream is None:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _torch_raw_stream = raw if raw is not None else (
+            lambda index: int(torch.cuda.current_stream(index).cuda_stream))
+    return _torch_raw_stream(device)
 
 
 def _explicit_stream_ptr(stream: Any) -> int:
@@ -347,3 +381,33 @@ def _is_contiguous(shape: tuple, strides: tuple) -> bool:
         step *= n
     return True
 
+
+# ---- new outputs -------------------------------------------------------------------------------
+
+def new_output(q: Any, *, lse: bool = False, stream: int | None = None):
+    """An uninitialised out [B, Hq, D] in q's dtype (or lse [B, Hq] in float32) on q's device:
+    from torch's allocator for torch tensors (on ``stream`` when it is not torch's current one),
+    else from CuPy's, on CuPy's current stream (a CuPy q's own dtype; for other arrays bf16 as
+    uint16, CuPy's carrier)."""
+    if _is_torch(q):
+        import torch
+
+        shape, dtype = (q.shape[:2], torch.float32) if lse else (q.shape, q.dtype)
+        if stream is None or stream == _torch_current_stream(q.get_device()):
+            return torch.empty(shape, dtype=dtype, device=q.device)
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=q.device)):
+            return torch.empty(shape, dtype=dtype, device=q.device)
+    import cupy
+
+    info = describe(q, "q", bf16_from_uint16=True)
+    if lse:
+        dtype = cupy.float32
+    elif _is_cupy(q):
+        dtype = q.dtype  # uint16, float16, or ml_dtypes' bfloat16: whatever the caller keeps bf16 in
+    else:
+        dtype = _CUPY_CARRIERS.get(info.dtype, cupy.float16)  # a bad q fails validation
+    with cupy.cuda.Device(info.device if info.device is not None else cupy.cuda.Device().id):
+        return cupy.empty(info.shape[:2] if lse else info.shape, dtype=dtype)
+
+
+_CUPY_CARRIERS = {"bf16": np.uint16, "fp16": np.float16}

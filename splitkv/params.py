@@ -1,11 +1,11 @@
-"""The decode program's one kernel argument, ``Params``, laid out once for the host and the device.
+"""The programs' one kernel argument, a ``Params`` struct, laid out once for the host and the device.
 
 Every decode program takes the same struct by value (``const __grid_constant__ Params p``), with
 every field present whatever the spec (a field a program does not read is zero), so the host packs
-one layout. `DECODE_FIELDS` is that layout's single source: the rendered config declares the C++
-struct from it field by field and static_asserts each offset and the size against the numbers
-computed here, so the two cannot disagree without the program failing to compile; `DECODE_DTYPE`
-is the numpy structured type the runtime fills.
+one layout; the merge program likewise takes its own `MERGE` struct. A `StructLayout` is that
+layout's single source: the rendered config declares the C++ struct from it field by field and
+static_asserts the size against the one computed here, so the two cannot disagree without the
+program failing to compile; its numpy structured type is what the host fills.
 """
 
 from __future__ import annotations
@@ -14,10 +14,54 @@ import numpy as np
 
 from .tensor_map import MAP_ALIGN, MAP_BYTES
 
-#: (field, C++ type in the config's aliases, kind): kind "map" is a 128-byte CUtensorMap,
-#: "ptr" a device address, "int" an int32, "float" a float32. The maps lead: they need 64-byte
-#: alignment, and the struct's start has it.
-DECODE_FIELDS = (
+_NUMPY = {"map": np.dtype((np.uint8, MAP_BYTES)), "ptr": np.dtype(np.uint64), "int": np.dtype(np.int32),
+          "float": np.dtype(np.float32)}
+_ALIGN = {"map": MAP_ALIGN, "ptr": 8, "int": 4, "float": 4}
+
+
+class StructLayout:
+    """C's layout of a struct of (field, C++ type in the config's aliases, kind) fields: kind "map"
+    is a 128-byte CUtensorMap, "ptr" a device address, "int" an int32, "float" a float32. Each
+    offset is rounded up to its field's alignment, the size to the largest alignment (at least 8,
+    so the host can write the struct as 64-bit words)."""
+
+    def __init__(self, fields: tuple):
+        self.fields = fields
+        offsets, end = [], 0
+        for _, _, kind in fields:
+            end = -(-end // _ALIGN[kind]) * _ALIGN[kind]
+            offsets.append(end)
+            end += _NUMPY[kind].itemsize
+        self.align = max(8, *(_ALIGN[kind] for _, _, kind in fields))
+        self.offsets, self.size = offsets, -(-end // self.align) * self.align
+        self.offset = dict(zip((name for name, _, _ in fields), offsets))
+        self.dtype = np.dtype({"names": [name for name, _, _ in fields],
+                               "formats": [_NUMPY[kind] for _, _, kind in fields],
+                               "offsets": offsets, "itemsize": self.size})
+
+    def config_fields(self) -> list[dict]:
+        """The fields as a config template declares them."""
+        return [dict(name=name, ctype=ctype, offset=offset)
+                for (name, ctype, _), offset in zip(self.fields, self.offsets)]
+
+    def new(self) -> np.ndarray:
+        """A zeroed host buffer of one struct (a record array of one), aligned in host memory like
+        the device's (a launch copies it; the alignment keeps a map's bytes where the struct puts them)."""
+        raw = np.zeros(self.size + self.align, np.uint8)
+        start = -raw.ctypes.data % self.align
+        return raw[start:start + self.size].view(self.dtype)[0:1]
+
+    def read(self, address: int) -> np.void:
+        """A copy of the struct at host ``address`` (what a launch argument points at), as a record:
+        for tests and tools that check what a launch would pass."""
+        import ctypes
+
+        raw = (ctypes.c_char * self.size).from_address(address)
+        return np.frombuffer(raw, self.dtype, count=1)[0].copy()
+
+
+#: The decode program's Params. The maps lead: they need 64-byte alignment, and the struct's start has it.
+DECODE = StructLayout((
     ("k_map", "splitkv::TensorMap", "map"),   # tma: k as [batch x max_len][num_kv_heads x HEAD_DIM]
     ("v_map", "splitkv::TensorMap", "map"),
     ("q", "const q_t*", "ptr"),               # [batch][num_qo_heads][HEAD_DIM]
@@ -43,48 +87,21 @@ DECODE_FIELDS = (
     ("v_per_head", "int", "int"),
     ("table_stride", "int", "int"),
     ("num_pages", "int", "int"),
-)
+))
 
-_NUMPY = {"map": np.dtype((np.uint8, MAP_BYTES)), "ptr": np.dtype(np.uint64), "int": np.dtype(np.int32),
-          "float": np.dtype(np.float32)}
-_ALIGN = {"map": MAP_ALIGN, "ptr": 8, "int": 4, "float": 4}
-
-
-def _layout(fields) -> tuple[list[int], int]:
-    """C's layout of ``fields``: each offset rounded up to its alignment, the size to the largest."""
-    offsets, end = [], 0
-    for _, _, kind in fields:
-        end = -(-end // _ALIGN[kind]) * _ALIGN[kind]
-        offsets.append(end)
-        end += _NUMPY[kind].itemsize
-    align = max(_ALIGN[kind] for _, _, kind in fields)
-    return offsets, -(-end // align) * align
-
-
-DECODE_OFFSETS, DECODE_SIZE = _layout(DECODE_FIELDS)
-DECODE_DTYPE = np.dtype({"names": [f for f, _, _ in DECODE_FIELDS],
-                         "formats": [_NUMPY[kind] for _, _, kind in DECODE_FIELDS],
-                         "offsets": DECODE_OFFSETS, "itemsize": DECODE_SIZE})
-
-
-def config_fields() -> list[dict]:
-    """The fields as the config template declares and checks them."""
-    return [dict(name=name, ctype=ctype, offset=offset)
-            for (name, ctype, _), offset in zip(DECODE_FIELDS, DECODE_OFFSETS)]
-
-
-def new_decode_params() -> np.ndarray:
-    """A zeroed host buffer of one ``Params``, 64-byte aligned in host memory like the device's
-    (the launch copies it; the alignment keeps the maps' bytes where the struct puts them)."""
-    raw = np.zeros(DECODE_SIZE + MAP_ALIGN, np.uint8)
-    start = -raw.ctypes.data % MAP_ALIGN
-    return raw[start:start + DECODE_SIZE].view(DECODE_DTYPE)[0:1]
-
-
-def decode_params(address: int) -> np.void:
-    """A copy of the ``Params`` at host ``address`` (what a launch argument points at), as a record
-    of `DECODE_DTYPE`: for tests and tools that check what a launch would pass."""
-    import ctypes
-
-    raw = (ctypes.c_char * DECODE_SIZE).from_address(address)
-    return np.frombuffer(raw, DECODE_DTYPE, count=1)[0].copy()
+#: The merge program's Params: the split plans' fields, then the units plans' (each program reads its own).
+MERGE = StructLayout((
+    ("partial_o", "const float*", "ptr"),     # split: [batch][num_splits][num_qo_heads][HEAD_DIM]; units: [slots][group][HEAD_DIM]
+    ("partial_lse", "const float*", "ptr"),   # the same rows' log-sum-exps, base 2
+    ("out", "out_t*", "ptr"),                 # [batch][num_qo_heads][HEAD_DIM]
+    ("lse", "float*", "ptr"),                 # [batch][num_qo_heads] natural log, or null
+    ("seq_lens", "const int*", "ptr"),        # split: [batch]
+    ("units", "const int*", "ptr"),           # units: the plan's buffer (header, unit rows, merge rows)
+    ("batch", "int", "int"),                  # split
+    ("num_qo_heads", "int", "int"),           # split
+    ("num_splits", "int", "int"),             # split
+    ("tokens_per_split", "int", "int"),       # split
+    ("max_len", "int", "int"),                # split: the cache's tokens per sequence (lengths clamp to it)
+    ("group", "int", "int"),                  # units: query heads per K/V head
+    ("max_units", "int", "int"),              # units: the unit rows the buffer holds
+))

@@ -81,11 +81,23 @@ def stream_key(ptr: int):
     return ptr
 
 
+_cuda_runtime = None
+
+
+def _runtime():
+    """CuPy's CUDA runtime module, imported on first use (importing this module needs no CuPy)
+    and kept: an import statement on every launch costs more than the query it serves."""
+    global _cuda_runtime
+    if _cuda_runtime is None:
+        from cupy.cuda import runtime
+
+        _cuda_runtime = runtime
+    return _cuda_runtime
+
+
 def is_capturing(ptr: int) -> bool:
     """Whether stream ``ptr`` is being captured into a CUDA graph (a query; it never waits)."""
-    import cupy
-
-    return bool(cupy.cuda.runtime.streamIsCapturing(ptr))
+    return bool(_runtime().streamIsCapturing(ptr))
 
 
 def _new_event():
@@ -105,9 +117,7 @@ def _wait(waiter: int, event, *, in_capture: bool = False) -> None:
 
 
 def _record(event, ptr: int) -> None:
-    import cupy
-
-    cupy.cuda.runtime.eventRecord(event.ptr, ptr)
+    _runtime().eventRecord(event.ptr, ptr)
 
 
 class StreamOrder:

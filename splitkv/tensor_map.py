@@ -73,10 +73,10 @@ def _aligned_buffer() -> np.ndarray:
 def l2_promotion(box_bytes: int) -> int:
     """The L2 promotion for boxes of ``box_bytes``-wide rows. A row narrower than a 128-byte line
     (NVFP4 at head_dim 128, whose 64-byte rows of neighbouring K/V heads share a line in an NHD
-    cache) fills its whole line, which the neighbour's CTA reads at about the same time. H200,
-    NVFP4 32/8: 64k 44.7 -> 39.7 µs, 16k 20.5 -> 19.7, 16 x 4k 37.4 -> 36.5 (BENCHMARKS.md). Rows of
-    128 bytes take none: 128-byte promotion changed nothing for FP8 and 256-byte was up to 6%
-    slower (BF16 at 128k)."""
+    cache) fills its whole line, which the neighbour's CTA reads at about the same time, so one
+    fill serves both CTAs. Rows of 128 bytes take none: each already fills whole lines, 128-byte
+    promotion changed nothing for FP8 and 256-byte promotion was slower (docs/experiments.md: "L2
+    promotion of the tensor maps, 128-byte rows" and "L2 promotion, narrower rows")."""
     return _L2_PROMOTION_128B if box_bytes < 128 else _L2_PROMOTION_NONE
 
 
@@ -120,8 +120,8 @@ def encode(ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_b
 
 
 class TensorMapCache:
-    """Kernel arguments (by value) for the tensor maps of the caches seen last (least recently used
-    evicted first). Thread-safe."""
+    """The encoded tensor maps of the caches seen last (least recently used evicted first).
+    Thread-safe."""
 
     def __init__(self, entries: int = CACHE_ENTRIES):
         if entries < 2:
@@ -130,20 +130,17 @@ class TensorMapCache:
         self._maps: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def argument(self, ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int, box_bytes: int = TMA_BOX_BYTES):
-        """(launch argument, host buffer): the argument passes the map by value (CuPy copies the 128
-        bytes it points at when the kernel is launched or captured); it does not own them, so the
-        caller keeps the buffer until the launch has been made."""
-        from cupy.cuda.function import CPointer
-
+    def encoded(self, ptr: int, rows: int, cols: int, elem_bytes: int, box_rows: int,
+                box_bytes: int = TMA_BOX_BYTES) -> bytes:
+        """The 128 bytes of the map of the device matrix at ``ptr`` (see `encode`), encoded on its
+        first request and kept; the caller copies them into a kernel's argument struct."""
         key = (ptr, rows, cols, elem_bytes, box_rows, box_bytes)
         with self._lock:
             held = self._maps.get(key)
             if held is not None:
                 self._maps.move_to_end(key)
                 return held
-        buffer = encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes)
-        held = (CPointer(buffer.ctypes.data), buffer)
+        held = encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes).tobytes()
         with self._lock:
             self._maps[key] = held
             if len(self._maps) > self._entries:

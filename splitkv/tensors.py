@@ -8,15 +8,16 @@ wrong rank, shape, stride, alignment, head_dim, group size or device.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import spec
+from . import arrays, spec
 from .arrays import (TensorInfo, check_aligned, check_contiguous_aligned, contiguous_strides, describe,
                      is_device_array)
-from .arrays import stream_ptr, to_cupy  # noqa: F401 - the runtime reads these through this module
 from .quantized_kv import QuantizedKV
 
 
@@ -307,3 +308,68 @@ def _check_host_seq_lens(seq_lens: Any, batch: int, max_len: int) -> np.ndarray:
         raise ValueError(f"seq_lens: expected every length in 0..{max_len} (max_len, k.shape[1]), "
                          f"got seq_lens[{i}] = {int(lens[i])}")
     return np.ascontiguousarray(lens, dtype=np.int32)
+
+
+def read_back_lengths(seq_lens: Any, batch: int | None, device: int | None, owner: str) -> np.ndarray:
+    """Device lengths (int32, contiguous, ``batch`` of them; None: any 1-D count) on ``device``,
+    read back to the host; their values are checked by the caller."""
+    info = describe(seq_lens, "seq_lens")
+    count = batch if batch is not None else (info.shape[0] if info.ndim == 1 else -1)
+    check_seq_lens(info, count, 0)  # type, shape and strides only: the values are still on the device
+    check_device("seq_lens", info, device, owner)
+    return arrays.to_cupy(seq_lens).get()
+
+
+def check_device(name: str, info: TensorInfo, device: int | None, owner: str) -> None:
+    """ValueError naming ``name`` when it is on another device than ``device`` (None: unknown)."""
+    if info.device is not None and device is not None and info.device != device:
+        raise ValueError(f"{name}: on CUDA device {info.device}, but {owner} device {device}")
+
+
+_LOG2E = 1.4426950408889634
+
+
+def check_sm_scale(sm_scale: Any) -> float | None:
+    """None, or ``sm_scale`` as a positive finite float; TypeError / ValueError naming it otherwise."""
+    if sm_scale is None:
+        return None
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale: expected None or a positive finite float, got {sm_scale!r}")
+    value = float(sm_scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"sm_scale: expected a positive finite float, got {sm_scale!r}")
+    float32 = np.finfo(np.float32)  # the programs get value x log2(e) as a float32
+    if not float(float32.tiny) <= value * _LOG2E <= float(float32.max):
+        raise ValueError(f"sm_scale: {sm_scale!r} x log2(e) is outside the normal float32 range the programs take")
+    return value
+
+
+def check_run_inputs(arrays: tuple, device: int, kv_layout: str | None) -> tuple[list, DecodeShapes, tuple]:
+    """Checks `DecodeAttention.run`'s (q, k, v, out, lse) against each other and the instance's
+    ``device`` (``kv_layout``: a paged cache's layout, None for a contiguous one); returns the
+    streams their producers named (interface 'stream'), their shapes, and the bytes each array
+    spans (a quantized cache: its values; None: 0)."""
+    q, k, v, out, lse = arrays
+    scale_infos = []  # a quantized cache's scales are read on this device too, once their producers are done
+    extents = []
+
+    def describe_one(x, name):
+        if name not in ("k", "v") or not isinstance(x, QuantizedKV):
+            info = describe(x, name, bf16_from_uint16=True)
+            extents.append(info.nbytes)
+            return info
+        parts = describe_quantized(x, name, kv_layout or "NHD")
+        scale_infos.extend([(f"{name}.block_scales", parts.block_scales), (f"{name}.scale", parts.scale)])
+        extents.append(parts.values.nbytes)
+        return quantized_kv_info(x.kv_dtype, parts)
+
+    infos = [describe_one(x, name) for x, name in zip(arrays[:4], "q k v out".split())]
+    lse_info = describe(lse, "lse") if lse is not None else None
+    extents.append(lse_info.nbytes if lse_info is not None else 0)
+    named = list(zip("q k v out lse".split(), (*infos, lse_info))) + scale_infos
+    for name, info in named:
+        if info is not None:
+            check_device(name, info, device, "this DecodeAttention runs on")
+    shapes = check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info, kv_layout=kv_layout)
+    producers = [info.stream for _, info in named if info is not None and info.stream is not None]
+    return producers, shapes, tuple(extents)

@@ -1,4 +1,4 @@
-"""CPU tests of the decode program's Params layout (splitkv/params.py) against the rendered config."""
+"""CPU tests of the programs' Params layouts (splitkv/params.py) against the rendered configs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 
 from splitkv.codegen.render import flat_source, render
 from splitkv.heuristics import default_spec
-from splitkv.params import (DECODE_DTYPE, DECODE_FIELDS, DECODE_OFFSETS, DECODE_SIZE, decode_params,
-                            new_decode_params)
-from splitkv.spec import KernelSpec
+from splitkv.params import DECODE, MERGE
+from splitkv.spec import KernelSpec, MergeSpec
+
+DECODE_FIELDS, DECODE_OFFSETS, DECODE_SIZE, DECODE_DTYPE = DECODE.fields, DECODE.offsets, DECODE.size, DECODE.dtype
 
 
 def test_layout_follows_c_alignment_with_the_maps_64_byte_aligned():
@@ -21,6 +22,9 @@ def test_layout_follows_c_alignment_with_the_maps_64_byte_aligned():
         assert offset % {"map": 64, "ptr": 8, "int": 4, "float": 4}[kind] == 0, name
         assert DECODE_DTYPE.fields[name][1] == offset
     assert DECODE_SIZE % 64 == 0 and DECODE_DTYPE.itemsize == DECODE_SIZE <= 4096  # the kernel-argument limit
+    for (name, _, kind), offset in zip(MERGE.fields, MERGE.offsets):
+        assert offset % {"ptr": 8, "int": 4}[kind] == 0 and MERGE.dtype.fields[name][1] == offset, name
+    assert MERGE.size % 8 == 0 and MERGE.dtype.itemsize == MERGE.size
 
 
 @pytest.mark.parametrize("spec", [KernelSpec(), KernelSpec(kv_copy="tma", cluster=8, mma_m="tokens"),
@@ -33,8 +37,18 @@ def test_every_program_declares_the_same_struct_and_asserts_the_host_size(spec):
     assert f"sizeof(Params) == {DECODE_SIZE}," in source
 
 
+@pytest.mark.parametrize("tables", [False, True])
+def test_merge_programs_declare_the_merge_struct(tables):
+    source = render(MergeSpec(tables=tables))
+    body = source[source.index("struct Params {"):source.index("};", source.index("struct Params {"))]
+    assert re.findall(r"\b(\w+);", body) == [f for f, _, _ in MERGE.fields]
+    assert f"sizeof(Params) == {MERGE.size}," in source and "__global__" not in source
+    flat = flat_source(MergeSpec(tables=tables))
+    assert "splitkv_merge(const __grid_constant__ splitkv::merge::Params p)" in flat
+
+
 def test_a_packed_buffer_reads_back_field_by_field():
-    buffer = new_decode_params()
+    buffer = DECODE.new()
     assert buffer.ctypes.data % 64 == 0 and not buffer.tobytes().strip(b"\0")
     buffer["q"], buffer["max_len"], buffer["scale_log2"] = 0x1234_5678_9ABC, 4096, 0.125
     buffer["v_map"] = np.arange(128, dtype=np.uint8)
@@ -43,7 +57,7 @@ def test_a_packed_buffer_reads_back_field_by_field():
     assert int.from_bytes(raw[offsets["q"]:offsets["q"] + 8], "little") == 0x1234_5678_9ABC
     assert int.from_bytes(raw[offsets["max_len"]:offsets["max_len"] + 4], "little") == 4096
     assert raw[128:256] == bytes(range(128))
-    back = decode_params(buffer.ctypes.data)
+    back = DECODE.read(buffer.ctypes.data)
     assert int(back["q"]) == 0x1234_5678_9ABC and float(back["scale_log2"]) == 0.125
 
 

@@ -6,15 +6,16 @@ themselves are checked on a GPU by tests/gpu."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import types
 
 import numpy as np
 import pytest
 
-from splitkv import runtime, streams, tensors
+from splitkv import arrays, launch as launching, oneshot, runtime, streams, tensors
 from splitkv.heuristics import default_spec
-from splitkv.params import decode_params
+from splitkv.params import DECODE, MERGE
 from splitkv.spec import MergeSpec
 from tests.test_inputs import FakeCAI
 
@@ -83,15 +84,21 @@ def fake_gpu(monkeypatch, tmp_path):
         def __exit__(self, *exc):
             record.current = self._previous
 
+    programs = {}  # a loaded function's handle -> its spec
+
     def load_kernel(spec, source=None):
         record.loads.append((spec, record.current))
+        function = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=len(programs) + 1))
+        programs[function.kernel.ptr] = spec
+        return function, types.SimpleNamespace(registers=96)
 
-        def launch(grid, block, args, shared_mem=0):
-            # The decode program's one argument points at its Params: read back as the kernel would.
-            params = decode_params(args[0].ptr) if len(args) == 1 else None
-            record.launches.append(types.SimpleNamespace(spec=spec, grid=grid, args=args, params=params,
-                                                         device=record.current))
-        return launch, types.SimpleNamespace(registers=96)
+    def launch_kernel(call, stream, argument):
+        # The one kernel argument points at the program's Params: read back as the kernel would.
+        spec = programs[call[0]]
+        struct = ctypes.c_uint64.from_address(argument).value
+        params = (MERGE if isinstance(spec, MergeSpec) else DECODE).read(struct)
+        record.launches.append(types.SimpleNamespace(spec=spec, grid=tuple(call[1:4]), block=call[4], smem=call[7],
+                                                     params=params, device=record.current, stream=stream))
 
     def encode(ptr, rows, cols, elem_bytes, box_rows, box_bytes):
         tensor_map.box_geometry(rows, cols, elem_bytes, box_rows, box_bytes)  # the real checks of the view
@@ -120,10 +127,13 @@ def fake_gpu(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cupy, "empty", empty)
     monkeypatch.setattr(load, "load_kernel", load_kernel)
+    monkeypatch.setattr(launching, "launch_kernel", launch_kernel)
+    monkeypatch.setattr(cupy.cuda.runtime, "setDevice", lambda ordinal: None)
     monkeypatch.setattr(occupancy, "max_active_clusters", lambda function, cluster, threads, smem: 132 // cluster)
     monkeypatch.setattr(tensor_map, "encode", encode)
-    monkeypatch.setattr(tensors, "to_cupy", to_cupy)
-    monkeypatch.setattr(tensors, "stream_ptr", lambda like, stream=None: 0 if stream is None else int(stream))
+    monkeypatch.setattr(arrays, "to_cupy", to_cupy)
+    monkeypatch.setattr(arrays, "stream_ptr", lambda like, stream=None: 0 if stream is None else int(stream))
+    monkeypatch.setattr(arrays, "launch_stream", lambda like, stream, device: 0 if stream is None else int(stream))
     monkeypatch.setattr(streams, "use_stream", current_stream)
     # Events between streams: which stream waits for which event, by the event's number.
     events = itertools.count(1)
@@ -138,7 +148,8 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(streams, "_record", lambda event, ptr: record.event_records.append((event.ptr, ptr)))
     monkeypatch.setattr(streams, "_wait", lambda ptr, event, in_capture=False: record.event_waits.append((ptr, event.ptr)))
     monkeypatch.setattr(streams, "is_capturing", lambda ptr: False)
-    monkeypatch.setattr(runtime, "_instances", type(runtime._instances)())
+    monkeypatch.setattr(oneshot, "_instances", type(oneshot._instances)())
+    monkeypatch.setattr(oneshot, "_described", type(oneshot._described)())
     # Tuned tables: none shipped, none in a user folder, unless a test writes one to record.tables.
     from splitkv.tuned import lookup
 
@@ -160,27 +171,27 @@ def _qkv(batch, num_qo_heads, num_kv_heads, head_dim, cache_len):
 def test_decode_checks_device_lengths_against_the_batch_and_cache(fake_gpu, lens, message):
     q, k, v = _qkv(2, 8, 2, 128, 1024)
     with pytest.raises(ValueError, match=message):
-        runtime.decode(q, k, v, _DeviceArray((len(lens),), "<i4", lens))
+        oneshot.decode(q, k, v, _DeviceArray((len(lens),), "<i4", lens))
     assert not fake_gpu.loads and not fake_gpu.launches  # refused before compiling or launching
 
 
 def test_decode_plans_on_its_own_copy_of_device_lengths(fake_gpu):
     q, k, v = _qkv(2, 8, 2, 128, 1024)
     lens = _DeviceArray((2,), "<i4", [5, 1000])
-    runtime.decode(q, k, v, lens)
+    oneshot.decode(q, k, v, lens)
     (launch,) = fake_gpu.launches
     assert int(launch.params["seq_lens"]) != lens.__cuda_array_interface__["data"][0]  # the lengths' pointer
-    (attn,) = runtime._instances.values()
+    (attn,) = oneshot._instances.values()
     assert attn._launch.seq_lens is not lens and attn._launch.max_len == 1000
 
 
 def test_decode_of_an_empty_cache_maps_a_stand_in_tile(fake_gpu):
     # k.shape[1] == 0: every length is 0 and no tile is read, but the maps must describe memory.
     q, k, v = _qkv(2, 8, 2, 128, 0)
-    runtime.decode(q, k, v)
+    oneshot.decode(q, k, v)
     (launch,) = fake_gpu.launches
     assert launch.spec.kv_copy == "tma"
-    (attn,) = runtime._instances.values()
+    (attn,) = oneshot._instances.values()
     stand_in = attn._launch.empty_kv_ptr
     assert stand_in and fake_gpu.maps == [(stand_in, launch.spec.tile_tokens, 2 * 128)]  # K and V share it
     assert attn._launch.max_len == 0
@@ -188,19 +199,19 @@ def test_decode_of_an_empty_cache_maps_a_stand_in_tile(fake_gpu):
 
 def test_decode_of_an_empty_batch_returns_empty_results(fake_gpu):
     q, k, v = _qkv(0, 8, 2, 128, 64)
-    out, lse = runtime.decode(q, k, v, return_lse=True)
+    out, lse = oneshot.decode(q, k, v, return_lse=True)
     assert out.shape == (0, 8, 128) and lse.shape == (0, 8)
     assert not fake_gpu.launches
     with pytest.raises(ValueError, match="out"):
-        runtime.decode(q, k, v, out=_DeviceArray((1, 8, 128)))
+        oneshot.decode(q, k, v, out=_DeviceArray((1, 8, 128)))
 
 
 def test_decode_keeps_a_bounded_number_of_instances(fake_gpu):
     for head_dim in (64, 128):
         for num_kv_heads in range(1, 13):
-            runtime.decode(*_qkv(1, 2 * num_kv_heads, num_kv_heads, head_dim, 64))
-    assert len(runtime._instances) == runtime._MAX_INSTANCES
-    last = next(reversed(runtime._instances))
+            oneshot.decode(*_qkv(1, 2 * num_kv_heads, num_kv_heads, head_dim, 64))
+    assert len(oneshot._instances) == oneshot._MAX_INSTANCES
+    last = next(reversed(oneshot._instances))
     assert last[3:6] == (24, 12, 128)  # the most recent layout (num_qo_heads, num_kv_heads, head_dim) is kept
 
 
@@ -248,10 +259,10 @@ def test_units_plans_load_no_split_program(fake_gpu):
 def test_decode_keys_its_instances_by_the_resolved_device(fake_gpu):
     # Bare __cuda_array_interface__ inputs name no device: the current one is theirs.
     q, k, v = _qkv(1, 8, 2, 128, 16)
-    runtime.decode(q, k, v)
+    oneshot.decode(q, k, v)
     with _current(fake_gpu, 1):
-        runtime.decode(q, k, v)
-    assert sorted(key[0] for key in runtime._instances) == [0, 1]
+        oneshot.decode(q, k, v)
+    assert sorted(key[0] for key in oneshot._instances) == [0, 1]
     assert [launch.device for launch in fake_gpu.launches] == [0, 1]
 
 
@@ -279,13 +290,13 @@ def test_decode_gives_each_thread_its_own_instance_on_the_per_thread_stream(fake
     import threading
 
     q, k, v = _qkv(1, 8, 2, 128, 16)
-    runtime.decode(q, k, v, stream=streams.PER_THREAD_DEFAULT)
-    worker = threading.Thread(target=runtime.decode, args=(q, k, v), kwargs={"stream": streams.PER_THREAD_DEFAULT})
+    oneshot.decode(q, k, v, stream=streams.PER_THREAD_DEFAULT)
+    worker = threading.Thread(target=oneshot.decode, args=(q, k, v), kwargs={"stream": streams.PER_THREAD_DEFAULT})
     worker.start()
     worker.join()
-    runtime.decode(q, k, v, stream=5)
-    runtime.decode(q, k, v, stream=5)
-    assert len(runtime._instances) == 3  # two threads on the per-thread stream, one stream 5
+    oneshot.decode(q, k, v, stream=5)
+    oneshot.decode(q, k, v, stream=5)
+    assert len(oneshot._instances) == 3  # two threads on the per-thread stream, one stream 5
 
 
 def test_outputs_of_a_cupy_q_keep_its_dtype(fake_gpu):
@@ -294,7 +305,7 @@ def test_outputs_of_a_cupy_q_keep_its_dtype(fake_gpu):
     from tests.test_inputs import cupy_view
 
     for dtype in (ml_dtypes.bfloat16, np.uint16, np.float16):
-        out = runtime._new_output(cupy_view((2, 8, 128), dtype))
+        out = arrays.new_output(cupy_view((2, 8, 128), dtype))
         assert out.__cuda_array_interface__["typestr"] == np.dtype(dtype).str
 
 
@@ -389,7 +400,7 @@ def test_decode_reads_device_lengths_on_the_launch_stream(fake_gpu):
     read_on = []
     plain_get = lens.get
     lens.get = lambda: (read_on.append(fake_gpu.stream), plain_get())[1]
-    runtime.decode(q, k, v, lens, stream=7)
+    oneshot.decode(q, k, v, lens, stream=7)
     assert read_on == [7]
     (launch,) = fake_gpu.launches
 
@@ -397,12 +408,12 @@ def test_decode_reads_device_lengths_on_the_launch_stream(fake_gpu):
 def test_decode_of_an_empty_batch_still_checks_its_other_arguments(fake_gpu):
     q, k, v = _qkv(0, 8, 2, 128, 64)
     with pytest.raises(ValueError, match="seq_lens"):
-        runtime.decode(q, k, v, [1, 2, 3])
+        oneshot.decode(q, k, v, [1, 2, 3])
     with pytest.raises(TypeError, match="sm_scale"):
-        runtime.decode(q, k, v, sm_scale="0.1")
+        oneshot.decode(q, k, v, sm_scale="0.1")
     with pytest.raises(ValueError, match="sm_scale"):
-        runtime.decode(q, k, v, sm_scale=-1.0)
-    assert runtime.decode(q, k, v, []).shape == (0, 8, 128)
+        oneshot.decode(q, k, v, sm_scale=-1.0)
+    assert oneshot.decode(q, k, v, []).shape == (0, 8, 128)
 
 
 @pytest.mark.parametrize("make, error, message", [
@@ -466,7 +477,7 @@ def test_units_plans_launch_a_cta_per_unit_and_merge_split_rows(fake_gpu):
     attn.run(q, k, v)
     decode, merge = fake_gpu.launches
     assert decode.grid == (len(plan.units), 1, 1) and int(decode.params["units"]) == attn._launch.units.ptr
-    assert merge.spec.tables and merge.grid == (attn._launch.units.merge_blocks,)
+    assert merge.spec.tables and merge.grid == (attn._launch.units.merge_blocks, 1, 1)
     buffer = attn._launch.units.array.host
     assert np.array_equal(buffer[: buffer.size], plan.to_buffer(len(plan.units), len(plan.merges)))
 
@@ -558,13 +569,13 @@ def test_a_plan_that_fails_leaves_the_live_plan_as_it_was(fake_gpu):
         table = np.arange(2 * 400, dtype=np.int32).reshape(2, 400)
         attn.plan([6096, 6096], block_table=table, variant=variant)
         live = attn._launch
-        held = {name: buf.host.copy() for name, buf in attn._workspace.items()}
+        held = {name: buf.host.copy() for name, buf in attn._workspace._buffers.items()}
         bad = np.zeros((4, 2), dtype=np.int32)
         bad[3, 0] = -1
         with pytest.raises(ValueError, match="sequence 3"):
             attn.plan([20, 20, 20, 20], block_table=bad, variant=variant)
         assert attn._launch is live
-        for name, buf in attn._workspace.items():
+        for name, buf in attn._workspace._buffers.items():
             assert np.array_equal(buf.host, held[name]), (variant, name)
 
 
@@ -582,7 +593,7 @@ def test_an_hnd_quantized_cache_takes_a_scale_per_kv_head(fake_gpu):
         return QuantizedKV("fp8_e4m3", _DeviceArray((10, hkv, page, d), "|u1"), None, _DeviceArray((scales,), "<f4"))
     k = cache(hkv)
     attn.run(q, k, cache(hkv))
-    assert int(runtime._quantized_args(k, k)[1]) == 1  # one scale per K/V head
+    assert launching.read_arrays(None, k, k, None, None)[2][4] == 1  # one scale per K/V head
     with pytest.raises(ValueError, match="k.scale"):
         attn.run(q, cache(page), cache(page))
 
@@ -699,4 +710,4 @@ def test_bad_arguments_are_named_before_the_device_is_touched(fake_gpu, monkeypa
     monkeypatch.undo()
     q, k, v = _qkv(2, 8, 2, 128, 1024)
     with pytest.raises(ValueError, match="kv_layout: 'HND' is a page layout and needs a block_table"):
-        runtime.decode(q, k, v, [5, 7], kv_layout="HND")
+        oneshot.decode(q, k, v, [5, 7], kv_layout="HND")

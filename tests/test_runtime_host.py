@@ -59,7 +59,7 @@ def test_outputs_for_foreign_arrays(monkeypatch, typestr, lse, expected):
 
     import cupy
 
-    from splitkv import runtime
+    from splitkv import arrays
 
     recorder = _Recorder()
 
@@ -77,7 +77,7 @@ def test_outputs_for_foreign_arrays(monkeypatch, typestr, lse, expected):
     monkeypatch.setattr(cupy, "empty", recorder.empty)
     monkeypatch.setattr(cupy.cuda, "Device", Device)
     q = FakeCAI((2, 8, 64), typestr)
-    shape, dtype, device = runtime._new_output(q, lse=lse)
+    shape, dtype, device = arrays.new_output(q, lse=lse)
     assert (shape, dtype) == expected
     assert device == 0  # a bare interface names no device: the current one
 
@@ -120,17 +120,20 @@ def test_a_given_split_spec_yields_a_valid_dense_spec(monkeypatch, tmp_path, cha
 
 
 def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch, tmp_path):
-    # run() with K/V through tensor maps, on the host only: the launch gets K's and V's maps as its
-    # last two arguments, pointing at bytes that hold while the launch is made; a second call over
-    # the same caches encodes nothing, another cache gets its own maps.
+    # run() with K/V through tensor maps, on the host only: the launch's struct holds K's and V's
+    # maps by value, copied in before the launch is made; a second call over the same caches
+    # encodes nothing, another cache gets its own maps.
     import contextlib
+    import ctypes
+    import types
 
     import cupy
 
-    import splitkv.runtime as runtime
+    import splitkv.launch as launching
     import splitkv.streams as streams
     import splitkv.tensor_map as tensor_map
     from splitkv import DecodeAttention, KernelSpec
+    from splitkv.params import DECODE
     from splitkv.plan import SplitPlan
 
     Device = _fake_device(monkeypatch, tmp_path)
@@ -149,6 +152,7 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch, tmp_path):
         return buffer
 
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: Device.id)  # already on its device
+    monkeypatch.setattr(cupy.cuda.runtime, "setDevice", lambda ordinal: None)
     monkeypatch.setattr(tensor_map, "encode", fake_encode)
     monkeypatch.setattr(streams, "use_stream", lambda ptr: contextlib.nullcontext())
     monkeypatch.setattr(streams, "is_capturing", lambda ptr: False)  # one stream: no event is waited for
@@ -156,22 +160,24 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch, tmp_path):
     monkeypatch.setattr(streams, "_record", lambda event, ptr: None)
     launched = []
 
-    def decode_fn(grid, block, args, shared_mem):  # reads which cache each map holds, as a launch copies them
+    def launch_kernel(call, stream, argument):  # reads which cache each map holds, as a launch copies them
         # One argument, the Params struct: its maps, and zeros for a quantized cache's scales, a
         # paged one's table and the units' tables.
-        from splitkv.params import decode_params
-
-        (argument,) = args
-        params = decode_params(argument.ptr)
+        params = DECODE.read(ctypes.c_uint64.from_address(argument).value)
         assert all(int(params[f]) == 0 for f in ("k_scale", "k_per_head", "v_scale", "v_per_head", "k_block_scales",
                                                  "v_block_scales", "block_table", "table_stride", "num_pages", "units"))
         launched.append(tuple(int.from_bytes(params[m][:8].tobytes(), "little") for m in ("k_map", "v_map")))
 
+    monkeypatch.setattr(launching, "launch_kernel", launch_kernel)
     spec = KernelSpec(arch="sm_90", head_dim=128, group_size=4, q_dtype="fp16", kv_dtype="fp16", kv_copy="tma")
     attn = DecodeAttention(8, 2, 128, q_dtype="fp16", kv_dtype="fp16", spec=spec)
     plan = SplitPlan("split", 256, 4, np.array([4, 4], np.int32), 16)
-    attn._launch = runtime._Launch(plan, spec, decode_fn, None, 2, 1000, (4, 2, 2), None, (None,) * 3,
-                                   np.uint64(0), (np.uint64(0),) * 3)
+    function = types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=1))
+    attn._launch = launching.Launch(plan, spec, attn._heads, function, None, 2, 1000, (4, 2, 2), None, (None,) * 3)
+    calls = []
+    monkeypatch.setattr(tensor_map.TensorMapCache, "encoded",
+                        lambda self, *view, original=tensor_map.TensorMapCache.encoded: calls.append(view[0])
+                        or original(self, *view))
     base = 0x7F00_0000_0000
     q, out = FakeCAI((2, 8, 128), "<f2", base), FakeCAI((2, 8, 128), "<f2", base + 0x10000)
     caches = [(FakeCAI((2, 1024, 2, 128), "<f2", base + (1 + 2 * i) * 2**24),
@@ -181,6 +187,7 @@ def test_run_passes_each_caches_tensor_maps_by_value(monkeypatch, tmp_path):
     k_ptrs = [c[0].__cuda_array_interface__["data"][0] for c in caches]
     v_ptrs = [c[1].__cuda_array_interface__["data"][0] for c in caches]
     assert launched == [(k_ptrs[0], v_ptrs[0]), (k_ptrs[0], v_ptrs[0]), (k_ptrs[1], v_ptrs[1])]
+    assert calls == [k_ptrs[0], v_ptrs[0], k_ptrs[1], v_ptrs[1]]  # the same caches again: the struct holds their maps
     # [batch x cache_len][num_kv_heads x head_dim] of 2-byte elements, boxes of 128 bytes x tile_tokens rows
     views = [(p, 2 * 1024, 2 * 128, 2, spec.tile_tokens, 128) for p in (k_ptrs[0], v_ptrs[0], k_ptrs[1], v_ptrs[1])]
     assert encoded == views

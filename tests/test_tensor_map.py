@@ -76,15 +76,14 @@ def test_cache_encodes_each_cache_once_and_evicts_the_least_recently_used(monkey
 
     monkeypatch.setattr(tm, "encode", fake_encode)
     cache = tm.TensorMapCache(entries=2)
-    a = cache.argument(0x1000, 10, 1024, 2, 32)
-    b = cache.argument(0x2000, 10, 1024, 2, 32)
-    assert cache.argument(0x1000, 10, 1024, 2, 32) is a  # a hit, and now the most recent
+    a = cache.encoded(0x1000, 10, 1024, 2, 32)
+    b = cache.encoded(0x2000, 10, 1024, 2, 32)
+    assert cache.encoded(0x1000, 10, 1024, 2, 32) is a  # a hit, and now the most recent
     assert encoded == [(0x1000, 32), (0x2000, 32)]
-    arg, buffer = a
-    assert arg.ptr == buffer.ctypes.data  # the launch argument points at the map's bytes
-    cache.argument(0x1000, 10, 1024, 2, 16)  # another box is another map: evicts b, not a
-    assert cache.argument(0x1000, 10, 1024, 2, 32) is a
-    assert cache.argument(0x2000, 10, 1024, 2, 32) is not b
+    assert isinstance(a, bytes) and len(a) == 128  # the map's bytes, copied into a launch's struct
+    cache.encoded(0x1000, 10, 1024, 2, 16)  # another box is another map: evicts b, not a
+    assert cache.encoded(0x1000, 10, 1024, 2, 32) is a
+    assert cache.encoded(0x2000, 10, 1024, 2, 32) is not b
     assert encoded == [(0x1000, 32), (0x2000, 32), (0x1000, 16), (0x2000, 32)]
 
 

@@ -15,7 +15,7 @@ import re
 
 import jinja2
 
-from ..params import DECODE_SIZE, config_fields
+from ..params import DECODE, MERGE
 from ..work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS
 from ..spec import TMA_BOX_BYTES, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
 
@@ -68,15 +68,15 @@ _INCLUDE_RE = re.compile(r'^#include "([^"]+)"\n', re.MULTILINE)
 
 
 def flat_source(spec: AnySpec) -> str:
-    """The rendered program with the kernel's own headers (``decode/*.cuh``) written out in place of
-    their includes (each once, as ``#pragma once`` would have it): the whole kernel as one text, for
+    """The rendered program with the kernel's own headers (``decode/*.cuh``, ``merge/*.cuh``: those
+    in a folder of the templates) written out in place of their includes (each once, as ``#pragma once`` would have it): the whole kernel as one text, for
     the tools that patch it at anchors and compile it with `compile_cubin(spec, source=...)`."""
     headers, seen = _helper_headers(), set()
 
     def expand(text: str) -> str:
         def include(match: re.Match) -> str:
             name = match.group(1)
-            if not name.startswith("decode/") or name not in headers:
+            if "/" not in name or name not in headers:
                 return match.group(0)  # the shared helpers stay includes
             if name in seen:
                 return ""
@@ -97,7 +97,7 @@ def template_parameters(spec: AnySpec) -> dict:
     params.update(name=spec.name, kernel_name=kernel_name(spec))
     if isinstance(spec, MergeSpec):
         params.update(out_type=CUDA_TYPES[spec.out_dtype], unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
-                      merge_fields=len(MERGE_FIELDS))
+                      merge_fields=len(MERGE_FIELDS), params_fields=MERGE.config_fields(), params_size=MERGE.size)
     elif isinstance(spec, QuantizeSpec):
         params["in_type"] = CUDA_TYPES[spec.in_dtype]
     else:
@@ -107,7 +107,7 @@ def template_parameters(spec: AnySpec) -> dict:
                       tma_box_rows=spec.tma_box_rows, tile_bytes=spec.tile_bytes, kv_elem_bytes=spec.kv_elem_bytes,
                       unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
                       cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
-                      params_fields=config_fields(), params_size=DECODE_SIZE)
+                      params_fields=DECODE.config_fields(), params_size=DECODE.size)
     return params
 
 

@@ -28,13 +28,13 @@ def _fill_nan(array, stream) -> None:
 
 @pytest.fixture(autouse=True)
 def _nan_filled_outputs(monkeypatch):
-    from splitkv import runtime
+    from splitkv import arrays
 
-    allocate = runtime._new_output
+    allocate = arrays.new_output
 
     def poisoned(q, *, lse=False, stream=None):
         array = allocate(q, lse=lse, stream=stream)
         _fill_nan(array, stream)
         return array
 
-    monkeypatch.setattr(runtime, "_new_output", poisoned)
+    monkeypatch.setattr(arrays, "new_output", poisoned)

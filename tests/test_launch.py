@@ -1,0 +1,39 @@
+"""CPU tests of run()'s launch path (splitkv/launch.py) that need no fake GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitkv.launch import _APART, check_outputs_apart, read_arrays
+
+
+def _overlapping_pair(pointers, extents):
+    for i, j in _APART:
+        if extents[i] and extents[j] and pointers[i] < pointers[j] + extents[j] and pointers[j] < pointers[i] + extents[i]:
+            return i, j
+    return None
+
+
+def test_the_spelled_out_overlap_check_agrees_with_every_pair_checked():
+    rng = np.random.default_rng(0)
+    names = ("q", "k", "v", "out", "lse")
+    for _ in range(20000):
+        # A few small arrays on a short address range, some empty: touching, overlapping, apart.
+        pointers = tuple(int(p) for p in rng.integers(0, 64, 5))
+        extents = tuple(int(e) * int(rng.random() > 0.2) for e in rng.integers(1, 24, 5))
+        pair = _overlapping_pair(pointers, extents)
+        if pair is None:
+            check_outputs_apart(pointers, extents)
+        else:
+            with pytest.raises(ValueError, match=f"^{names[pair[0]]}: overlaps {names[pair[1]]}"):
+                check_outputs_apart(pointers, extents)
+
+
+def test_arrays_known_only_by_an_interface_have_no_layout_to_reuse():
+    class Interface:
+        __cuda_array_interface__ = {"version": 3, "shape": (2, 8, 128), "typestr": "<f2",
+                                    "data": (0x7000_0000, False), "strides": None}
+
+    layout, pointers, quantized = read_arrays(Interface(), None, None, None, None)
+    assert layout is None and pointers == (0x7000_0000, 0, 0, 0, 0) and quantized == (0,) * 6

@@ -292,30 +292,41 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple]:
     None); and the decode struct's quantized-cache fields: K's and V's float32 scales and NVFP4
     block scales (addresses), then whether each scale has one value per K/V head (zeros for 16-bit
     K/V). torch tensors are read inline: this runs on every run()."""
-    layout, pointers = [], []
+    layout, pointers, quantized = [], [], []
     known = True
     for x in (q, k, v, out, lse):
         kind = _kinds.get(type(x))
+        if kind is None:  # a type not seen before
+            kind = _kind(type(x))
         if kind == _TORCH:
             ptr = x.data_ptr()
             layout.append((x.shape, x.stride(), x.dtype, x.get_device(), ptr & _ALIGN_MASK))
         elif kind == _NONE:
             ptr = 0
             layout.append(())
+        elif kind == _QUANTIZED:  # its parts' layouts and its format; its scales' fields
+            values, ptr = _read(x.values)
+            blocks, blocks_ptr = _read(x.block_scales)
+            scale, scale_ptr = _read(x.scale)
+            part_known = values is not None and blocks is not None and scale is not None
+            known = known and part_known
+            layout.append((x.kv_dtype, values, blocks, scale) if part_known else None)
+            quantized.append((scale_ptr, blocks_ptr, int(_length(x.scale) > 1)))
         else:
             entry, ptr = _read(x)
             known = known and entry is not None
             layout.append(entry)
         pointers.append(ptr)
-    quantized = _NO_QUANTIZED
-    if _kinds.get(type(k)) == _QUANTIZED:
-        quantized = (_read(k.scale)[1], _read(v.scale)[1], _read(k.block_scales)[1], _read(v.block_scales)[1],
-                     int(_length(k.scale) > 1), int(_length(v.scale) > 1))
+    if len(quantized) == 2:  # (k's, v's) scale, block scales, per head
+        (k_scale, k_blocks, k_per_head), (v_scale, v_blocks, v_per_head) = quantized
+        quantized = (k_scale, v_scale, k_blocks, v_blocks, k_per_head, v_per_head)
+    else:
+        quantized = _NO_QUANTIZED
     return (tuple(layout) if known else None), tuple(pointers), quantized
 
 
 def _read(x) -> tuple:
-    """(layout entry or None, device address) of one array of any kind."""
+    """(layout entry or None, device address) of one array (not a quantized cache) of any kind."""
     kind = _kind(type(x))
     if kind == _TORCH:
         ptr = x.data_ptr()
@@ -325,11 +336,6 @@ def _read(x) -> tuple:
         return (_CUPY, x.shape, x.strides, x.dtype, x.device.id, ptr & _ALIGN_MASK), ptr
     if kind == _NONE:
         return (), 0
-    if kind == _QUANTIZED:  # its parts' layouts, its format, and its values' address
-        values, ptr = _read(x.values)
-        block_scales, scale = _read(x.block_scales)[0], _read(x.scale)[0]
-        known = values is not None and block_scales is not None and scale is not None
-        return ((x.kv_dtype, values, block_scales, scale) if known else None), ptr
     from . import tensors
 
     return None, tensors.describe(x, "array").ptr

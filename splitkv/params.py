@@ -2,7 +2,7 @@
 
 Every decode program takes the same struct by value (``const __grid_constant__ Params p``), with
 every field present whatever the spec (a field a program does not read is zero), so the host packs
-one layout; the merge program likewise takes its own `MERGE` struct. A `StructLayout` is that
+one layout; the merge program and the K/V quantizer likewise take their own (`MERGE`, `QUANTIZE`). A `StructLayout` is that
 layout's single source: the rendered config declares the C++ struct from it field by field and
 static_asserts the size against the one computed here, so the two cannot disagree without the
 program failing to compile; its numpy structured type is what the host fills.
@@ -15,13 +15,14 @@ import numpy as np
 from .tensor_map import MAP_ALIGN, MAP_BYTES
 
 _NUMPY = {"map": np.dtype((np.uint8, MAP_BYTES)), "ptr": np.dtype(np.uint64), "int": np.dtype(np.int32),
-          "float": np.dtype(np.float32)}
-_ALIGN = {"map": MAP_ALIGN, "ptr": 8, "int": 4, "float": 4}
+          "int64": np.dtype(np.int64), "float": np.dtype(np.float32)}
+_ALIGN = {"map": MAP_ALIGN, "ptr": 8, "int": 4, "int64": 8, "float": 4}
 
 
 class StructLayout:
     """C's layout of a struct of (field, C++ type in the config's aliases, kind) fields: kind "map"
-    is a 128-byte CUtensorMap, "ptr" a device address, "int" an int32, "float" a float32. Each
+    is a 128-byte CUtensorMap, "ptr" a device address, "int" an int32, "int64" an int64, "float" a
+    float32. Each
     offset is rounded up to its field's alignment, the size to the largest alignment (at least 8,
     so the host can write the struct as 64-bit words)."""
 
@@ -104,4 +105,24 @@ MERGE = StructLayout((
     ("max_len", "int", "int"),                # split: the cache's tokens per sequence (lengths clamp to it)
     ("group", "int", "int"),                  # units: query heads per K/V head
     ("max_units", "int", "int"),              # units: the unit rows the buffer holds
+))
+
+#: The K/V quantizer's Params.
+QUANTIZE = StructLayout((
+    ("x", "const in_t*", "ptr"),                      # [batch][tokens][num_kv_heads][HEAD_DIM]
+    ("values", "unsigned char*", "ptr"),              # the cache's values (contiguous rows or pages)
+    ("block_scales", "unsigned char*", "ptr"),        # nvfp4: the cache's block scales
+    ("scale", "const float*", "ptr"),                 # [1], or [num_kv_heads]
+    ("positions", "const int*", "ptr"),               # [batch] first cache row, or null: 0
+    ("status", "int*", "ptr"),                        # bits the kernel ORs in (splitkv/quantize.py)
+    ("block_table", "const int*", "ptr"),             # paged: [batch][table_stride]
+    ("num_groups", "long long", "int64"),             # 16-element groups of x
+    ("tokens", "int", "int"),
+    ("num_kv_heads", "int", "int"),
+    ("cache_len", "int", "int"),                      # rows per sequence (paged: table_stride x page_size)
+    ("per_head", "int", "int"),                       # 1: scale has one value per K/V head
+    ("table_stride", "int", "int"),
+    ("page_size", "int", "int"),                      # 0: contiguous cache
+    ("hnd", "int", "int"),                            # paged: 1 for the HND page layout
+    ("num_pages", "int", "int"),
 ))

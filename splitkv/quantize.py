@@ -117,18 +117,27 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
 
 
 def _launch(qspec, x_cp, cache, status_arr, positions, tokens, num_kv_heads, cache_len, paging) -> None:
+    from cupy.cuda.function import CPointer
+
     from .codegen import load_kernel
+    from .params import QUANTIZE
 
     function, _ = load_kernel(qspec)
     num_groups = x_cp.size // 16
     threads = qspec.threads
     grid = max(1, -(-num_groups // threads))
     values, block_scales, scale = (_cupy(a) for a in (cache.values, cache.block_scales, cache.scale))
-    function((grid,), (threads,),
-             (x_cp.data.ptr, values.data.ptr, 0 if block_scales is None else block_scales.data.ptr,
-              scale.data.ptr, 0 if positions is None else positions.data.ptr, status_arr.data.ptr, np.int64(num_groups), np.int32(tokens),
-              np.int32(num_kv_heads), np.int32(cache_len), np.int32(scale.size > 1),
-              *(paging[:-1] if paging else (np.uint64(0), np.int32(0), np.int32(0), np.int32(0), np.int32(0)))))
+    params = QUANTIZE.new()
+    params["x"], params["values"], params["scale"] = x_cp.data.ptr, values.data.ptr, scale.data.ptr
+    params["block_scales"] = 0 if block_scales is None else block_scales.data.ptr
+    params["positions"] = 0 if positions is None else positions.data.ptr
+    params["status"], params["num_groups"], params["tokens"] = status_arr.data.ptr, num_groups, tokens
+    params["num_kv_heads"], params["cache_len"], params["per_head"] = num_kv_heads, cache_len, int(scale.size > 1)
+    if paging:
+        (params["block_table"], params["table_stride"], params["page_size"], params["hnd"],
+         params["num_pages"]) = paging[:-1]
+    # CuPy copies the struct's bytes when the kernel is launched.
+    function((grid,), (threads,), (CPointer(params.ctypes.data),))
 
 
 def _cupy(a):
@@ -233,8 +242,7 @@ def _paging_args(block_table, batch: int, geometry, kv_layout: str) -> tuple:
         table = cupy.asarray(_host_int32(block_table, "block_table"))
         info = arrays.describe(table, "block_table")
     tensors.check_block_table_info(info, batch)
-    return (np.uint64(table.data.ptr), np.int32(info.shape[1]), np.int32(page_size), np.int32(kv_layout == "HND"),
-            np.int32(num_pages), table)
+    return table.data.ptr, info.shape[1], page_size, int(kv_layout == "HND"), num_pages, table
 
 
 def _positions_array(positions, batch: int, tokens: int, cache_len: int):

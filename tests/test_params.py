@@ -9,8 +9,8 @@ import pytest
 
 from splitkv.codegen.render import flat_source, render
 from splitkv.heuristics import default_spec
-from splitkv.params import DECODE, MERGE
-from splitkv.spec import KernelSpec, MergeSpec
+from splitkv.params import DECODE, MERGE, QUANTIZE
+from splitkv.spec import KernelSpec, MergeSpec, QuantizeSpec
 
 DECODE_FIELDS, DECODE_OFFSETS, DECODE_SIZE, DECODE_DTYPE = DECODE.fields, DECODE.offsets, DECODE.size, DECODE.dtype
 
@@ -22,9 +22,10 @@ def test_layout_follows_c_alignment_with_the_maps_64_byte_aligned():
         assert offset % {"map": 64, "ptr": 8, "int": 4, "float": 4}[kind] == 0, name
         assert DECODE_DTYPE.fields[name][1] == offset
     assert DECODE_SIZE % 64 == 0 and DECODE_DTYPE.itemsize == DECODE_SIZE <= 4096  # the kernel-argument limit
-    for (name, _, kind), offset in zip(MERGE.fields, MERGE.offsets):
-        assert offset % {"ptr": 8, "int": 4}[kind] == 0 and MERGE.dtype.fields[name][1] == offset, name
-    assert MERGE.size % 8 == 0 and MERGE.dtype.itemsize == MERGE.size
+    for layout in (MERGE, QUANTIZE):
+        for (name, _, kind), offset in zip(layout.fields, layout.offsets):
+            assert offset % {"ptr": 8, "int": 4, "int64": 8}[kind] == 0 and layout.dtype.fields[name][1] == offset, name
+        assert layout.size % 8 == 0 and layout.dtype.itemsize == layout.size
 
 
 @pytest.mark.parametrize("spec", [KernelSpec(), KernelSpec(kv_copy="tma", cluster=8, mma_m="tokens"),
@@ -37,14 +38,19 @@ def test_every_program_declares_the_same_struct_and_asserts_the_host_size(spec):
     assert f"sizeof(Params) == {DECODE_SIZE}," in source
 
 
-@pytest.mark.parametrize("tables", [False, True])
-def test_merge_programs_declare_the_merge_struct(tables):
-    source = render(MergeSpec(tables=tables))
+@pytest.mark.parametrize("spec, layout, kernel", [
+    (MergeSpec(), MERGE, "splitkv_merge(const __grid_constant__ splitkv::merge::Params p)"),
+    (MergeSpec(tables=True), MERGE, "splitkv_merge(const __grid_constant__ splitkv::merge::Params p)"),
+    (QuantizeSpec(), QUANTIZE, "splitkv_quantize(const __grid_constant__ splitkv::quantize::Params p)"),
+    (QuantizeSpec(kv_format="nvfp4", head_dim=64), QUANTIZE,
+     "splitkv_quantize(const __grid_constant__ splitkv::quantize::Params p)"),
+])
+def test_merge_and_quantize_programs_declare_their_struct(spec, layout, kernel):
+    source = render(spec)
     body = source[source.index("struct Params {"):source.index("};", source.index("struct Params {"))]
-    assert re.findall(r"\b(\w+);", body) == [f for f, _, _ in MERGE.fields]
-    assert f"sizeof(Params) == {MERGE.size}," in source and "__global__" not in source
-    flat = flat_source(MergeSpec(tables=tables))
-    assert "splitkv_merge(const __grid_constant__ splitkv::merge::Params p)" in flat
+    assert re.findall(r"\b(\w+);", body) == [f for f, _, _ in layout.fields]
+    assert f"sizeof(Params) == {layout.size}," in source and "__global__" not in source
+    assert kernel in flat_source(spec)
 
 
 def test_a_packed_buffer_reads_back_field_by_field():

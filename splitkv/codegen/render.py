@@ -15,7 +15,7 @@ import re
 
 import jinja2
 
-from ..params import DECODE, MERGE
+from ..params import DECODE, MERGE, QUANTIZE
 from ..work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS
 from ..spec import TMA_BOX_BYTES, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
 
@@ -99,7 +99,8 @@ def template_parameters(spec: AnySpec) -> dict:
         params.update(out_type=CUDA_TYPES[spec.out_dtype], unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
                       merge_fields=len(MERGE_FIELDS), params_fields=MERGE.config_fields(), params_size=MERGE.size)
     elif isinstance(spec, QuantizeSpec):
-        params["in_type"] = CUDA_TYPES[spec.in_dtype]
+        params.update(in_type=CUDA_TYPES[spec.in_dtype], params_fields=QUANTIZE.config_fields(),
+                      params_size=QUANTIZE.size)
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], mma_type=CUDA_TYPES[spec.mma_dtype],
                       kv_bits=spec.kv_bits, hardware_e2m1=hardware_e2m1(spec.arch), smem_pad=spec.smem_pad,

@@ -246,7 +246,7 @@ class DecodeAttention:
             raise ValueError("block_table: paged caches need one (and only they take one); this instance reads "
                              + (f"pages of {self.page_size} tokens" if self.page_size else
                                 "contiguous caches (build it with page_size=... for paged ones)"))
-        lens = seq_lens if checked else self._host_lengths(seq_lens, max_len, on_device)
+        lens = seq_lens if checked else tensors.plan_lengths(seq_lens, max_len, on_device, self.device)
         batch = lens.size
         host_lens = lens  # what the plan covers
         if on_device and max_len is not None and int(max_len) > int(lens.max()):
@@ -424,23 +424,6 @@ class DecodeAttention:
                     f"{p.block_size}-token blocks on {p.slots} slots of {self.num_sms} SMs; {self._launch.spec.name}")
         return (f"{p.variant}: {p.num_splits} split(s) of {p.tokens_per_split} tokens, {p.num_ctas} CTAs "
                 f"on {self.num_sms} SMs; {self._launch.spec.name}")
-
-    def _host_lengths(self, seq_lens, max_len, on_device: bool | None = None) -> np.ndarray:
-        """The lengths, checked, as int32 on the host (device ones read back); ``on_device``: whether
-        they are a device array, when the caller knows already."""
-        if seq_lens is None:
-            raise ValueError("seq_lens: plan() needs the lengths (host ints or a device int32 array)")
-        if on_device is None:
-            on_device = tensors.is_device_array(seq_lens)
-        if on_device:
-            # the one synchronisation of plan()
-            seq_lens = tensors.read_back_lengths(seq_lens, None, self.device, "this DecodeAttention runs on")
-        host = np.asarray(seq_lens)
-        if host.ndim != 1 or host.size == 0:
-            raise ValueError(f"seq_lens: expected a non-empty 1-D sequence of lengths, got shape {host.shape}")
-        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral)):
-            raise TypeError(f"max_len: expected None or an int, got {max_len!r}")
-        return tensors.check_seq_lens(host, host.size, None if max_len is None else int(max_len))
 
     # ---- running (no sync, no allocation when out/lse are given, no compile) -------------------
     def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False, stream=None):

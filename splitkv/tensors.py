@@ -310,6 +310,21 @@ def _check_host_seq_lens(seq_lens: Any, batch: int, max_len: int) -> np.ndarray:
     return np.ascontiguousarray(lens, dtype=np.int32)
 
 
+def plan_lengths(seq_lens: Any, max_len: Any, on_device: bool, device: int) -> np.ndarray:
+    """`DecodeAttention.plan`'s lengths, checked, as int32 on the host (``on_device``: a device
+    array, read back from ``device``: the one synchronisation of plan())."""
+    if seq_lens is None:
+        raise ValueError("seq_lens: plan() needs the lengths (host ints or a device int32 array)")
+    if on_device:
+        seq_lens = read_back_lengths(seq_lens, None, device, "this DecodeAttention runs on")
+    host = np.asarray(seq_lens)
+    if host.ndim != 1 or host.size == 0:
+        raise ValueError(f"seq_lens: expected a non-empty 1-D sequence of lengths, got shape {host.shape}")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral)):
+        raise TypeError(f"max_len: expected None or an int, got {max_len!r}")
+    return check_seq_lens(host, host.size, None if max_len is None else int(max_len))
+
+
 def read_back_lengths(seq_lens: Any, batch: int | None, device: int | None, owner: str) -> np.ndarray:
     """Device lengths (int32, contiguous, ``batch`` of them; None: any 1-D count) on ``device``,
     read back to the host; their values are checked by the caller."""

@@ -1,16 +1,16 @@
 """Host-side parts of the runtime that need no GPU: length checks of plan()."""
 
-import types
-
 import numpy as np
 import pytest
 
+from splitkv import tensors
 from splitkv.runtime import DecodeAttention
 from tests.test_inputs import FakeCAI
 
+
 def host_lengths(_, seq_lens, max_len):
-    """plan()'s length checks, on a stand-in instance: they read only its device."""
-    return DecodeAttention._host_lengths(types.SimpleNamespace(device=0), seq_lens, max_len)
+    """plan()'s length checks (device lengths are read back from device 0)."""
+    return tensors.plan_lengths(seq_lens, max_len, tensors.is_device_array(seq_lens), 0)
 
 
 def test_host_lengths_become_int32():

@@ -208,25 +208,31 @@ def test_ab_rows_judge_each_protocol_by_its_rule():
     old, new, aa = render.default_ab_names(result)
     assert (old, new, aa) == ("baseline", "splitkv", "baseline-aa")
     serving = render.ab_rows(result, "serving", old, new, aa)
-    assert serving[0] == ["shape", "baseline 684c77a µs", "splitkv µs", "new/old", "A/A", "verdict"]
-    assert serving[1] == ["1, 32/8, 128, 4k", "9.20", "9.00", "0.978", "0.5%", "ok"]
+    assert serving[0] == ["shape", "baseline 684c77a µs", "splitkv µs", "new/old", "A/A", "verdict", "outputs"]
+    assert serving[1] == ["1, 32/8, 128, 4k", "9.20", "9.00", "0.978", "0.5%", "ok", "-"]
     # 71.9 / 70.0 = 1.027: beyond max(1%, A/A 0.3%)
-    assert serving[2] == ["16, 32/8, 128, 4k", "70.0", "71.9", "1.027", "0.3%", "SLOWER"]
+    assert serving[2] == ["16, 32/8, 128, 4k", "70.0", "71.9", "1.027", "0.3%", "SLOWER", "-"]
     assert serving[3][0] == "geometric mean" and serving[3][3] == f"{(0.9 / 0.92 * 71.9 / 70.0) ** 0.5:.3f}"
     eager = render.ab_rows(result, "eager", old, new, aa)
-    assert [row[-1] for row in eager[1:3]] == ["faster", "faster"]
+    assert [row[-2] for row in eager[1:3]] == ["faster", "faster"]
     result["shapes"][1]["implementations"]["splitkv"]["protocols"]["eager"]["median_us"] = 95.0
-    assert render.ab_rows(result, "eager", old, new, aa)[2][-1] == "NOT FASTER"  # equal is not faster
+    assert render.ab_rows(result, "eager", old, new, aa)[2][-2] == "NOT FASTER"  # equal is not faster
     # A wide A/A spread widens what counts as no slower.
     result["shapes"][1]["implementations"]["baseline-aa"]["protocols"]["serving"]["median_us"] = 72.0
-    assert render.ab_rows(result, "serving", old, new, aa)[2][-2:] == ["2.9%", "ok"]
+    assert render.ab_rows(result, "serving", old, new, aa)[2][-3:-1] == ["2.9%", "ok"]
+    # The outputs' digests say whether the two trees wrote the same bits.
+    impls = result["shapes"][0]["implementations"]
+    impls["baseline"]["check"], impls["splitkv"]["check"] = {"digest": "ab12"}, {"digest": "ab12"}
+    assert render.ab_rows(result, "serving", old, new, aa)[1][-1] == "same bits"
+    impls["splitkv"]["check"] = {"digest": "cd34"}
+    assert render.ab_rows(result, "serving", old, new, aa)[1][-1] == "differ"
 
 
 def test_ab_without_figures_or_a_twin_says_so():
     result = fake_result()
     result["shapes"][0]["implementations"]["splitkv"] = {"status": "wrong", "check": {"rel_err": 0.5}}
     rows = render.ab_rows(result, "flush", "baseline", "splitkv", None)
-    assert rows[1] == ["1, 32/8, 128, 4k", "21.0", "wrong (0.5)", "-", "-", "no figure"]
+    assert rows[1] == ["1, 32/8, 128, 4k", "21.0", "wrong (0.5)", "-", "-", "no figure", "-"]
     text = render.render_ab(result, aa="")
     assert "(not run: no --aa)" in text
     with pytest.raises(ValueError, match="no implementation 'nope'"):

@@ -39,6 +39,12 @@ class T:
     def item(self):
         return float(self.a)
 
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        return self.a
+
     def __sub__(self, other):
         return T(self.a - other.a)
 
@@ -103,6 +109,11 @@ def test_check_finds_a_wrong_layer_and_a_nan():
     good = [T(r.a * (1 + 1e-3)) for r in refs]
     result = check(good, refs)
     assert result["ok"] and result["rel_err"] == pytest.approx(1e-3) and result["layers_checked"] == 3
+    # Outputs hash alike exactly when they hold the same values.
+    assert check([T(r.a * (1 + 1e-3)) for r in refs], refs)["digest"] == result["digest"]
+    other = [T(r.a * (1 + 1e-3)) for r in refs]
+    other[1].a[0, 0, 0] = np.nextafter(other[1].a[0, 0, 0], np.inf)
+    assert check(other, refs)["digest"] != result["digest"]
     bad = [T(r.a) for r in refs]
     bad[2].a[0, 0, 0] += 0.1 * 3  # 10% of the third layer's max
     assert not check(bad, refs)["ok"] and check(bad, refs)["rel_err"] == pytest.approx(0.1)

@@ -11,6 +11,7 @@ splitkv alone.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from ..quantize import quantize_kv
@@ -101,7 +102,8 @@ def poison(outputs) -> None:
 
 def check(outputs, references, tolerance: float = TOLERANCE) -> dict:
     """The worst layer's max |out - ref| (``max_abs_err``) and that over its max |ref|
-    (``rel_err``); ``ok`` when every output is finite and ``rel_err <= tolerance``."""
+    (``rel_err``); ``ok`` when every output is finite and ``rel_err <= tolerance``; ``digest``, a
+    hash of the outputs' bytes, by which two trees' outputs of the same inputs compare bit for bit."""
     if len(outputs) != len(references):
         raise ValueError(f"check: {len(outputs)} outputs for {len(references)} references")
     worst_rel, worst_abs = 0.0, 0.0
@@ -115,7 +117,16 @@ def check(outputs, references, tolerance: float = TOLERANCE) -> dict:
         worst_abs = max(worst_abs, diff)
         worst_rel = max(worst_rel, diff / scale if scale > 0 else math.inf)
     return {"ok": worst_rel <= tolerance, "rel_err": worst_rel, "max_abs_err": worst_abs,
-            "layers_checked": len(outputs), "tolerance": tolerance}
+            "layers_checked": len(outputs), "tolerance": tolerance, "digest": digest(outputs)}
+
+
+def digest(outputs) -> str:
+    """SHA-256 of the outputs' values as float64, layer after layer (exact for bf16 and fp16, so two
+    outputs hash alike exactly when they are the same bits; `check` has refused non-finite ones)."""
+    h = hashlib.sha256()
+    for out in outputs:
+        h.update(out.double().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def relative_error(out, ref) -> float | None:

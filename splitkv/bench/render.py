@@ -249,7 +249,8 @@ def ab_rows(result: dict, protocol: str, old: str, new: str, aa: str | None = No
     """Per shape: old and new medians, new/old, the A/A spread |aa - old| / old, and the verdict
     (serving, flush: new/old <= 1 + max(1%, A/A); eager: new/old < 1); a last row with the
     geometric mean of new/old."""
-    header = ["shape", f"{_label(result, old)} µs", f"{_label(result, new)} µs", "new/old", "A/A", "verdict"]
+    header = ["shape", f"{_label(result, old)} µs", f"{_label(result, new)} µs", "new/old", "A/A", "verdict",
+              "outputs"]
     rows, ratios = [header], []
     for entry in result.get("shapes", []):
         impls = entry.get("implementations") or {}
@@ -266,11 +267,19 @@ def ab_rows(result: dict, protocol: str, old: str, new: str, aa: str | None = No
             row = [fmt_us(a["median_us"]), fmt_us(b["median_us"]), f"{ratio:.3f}"]
         else:
             verdict, row = "no figure", [cell(impls.get(old), protocol), cell(impls.get(new), protocol), "-"]
-        rows.append([entry["label"], *row, "-" if spread is None else f"{100 * spread:.1f}%", verdict])
+        rows.append([entry["label"], *row, "-" if spread is None else f"{100 * spread:.1f}%", verdict,
+                     same_bits(impls.get(old), impls.get(new))])
     if ratios:
         geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        rows.append(["geometric mean", "", "", f"{geo:.3f}", "", ""])
+        rows.append(["geometric mean", "", "", f"{geo:.3f}", "", "", ""])
     return rows
+
+
+def same_bits(old: dict | None, new: dict | None) -> str:
+    """'same bits' when both sides' checked outputs hash alike, 'differ' when not, '-' when a side
+    has no digest (a run before digests were recorded, or no output)."""
+    a, b = (((side or {}).get("check") or {}).get("digest") for side in (old, new))
+    return "-" if not a or not b else "same bits" if a == b else "differ"
 
 
 def render_ab(result: dict, old: str | None = None, new: str | None = None, aa: str | None = None,
@@ -292,7 +301,8 @@ def render_ab(result: dict, old: str | None = None, new: str | None = None, aa: 
     lines.append(f"new/old = {_label(result, new)} / {_label(result, old)}, medians of the same rounds; A/A = the "
                  f"old tree against a second copy of itself in the same rounds"
                  + ("" if aa else " (not run: no --aa)") + f"; ok = within max({AB_SLACK:.0%}, A/A) of the old "
-                 "median or faster (serving, flush); eager must be faster.")
+                 "median or faster (serving, flush); eager must be faster; outputs = whether the two trees' "
+                 "outputs of the same inputs are the same bits.")
     return "\n".join(lines) + "\n"
 
 

@@ -283,9 +283,14 @@ def launch_stream(like: Any, stream: Any, device: int) -> int:
     read with the fewest calls (a torch tensor's device is not asked for)."""
     if stream is not None:
         return stream if type(stream) is int else _explicit_stream_ptr(stream)
-    if type(like).__module__.startswith("torch"):
-        return _torch_current_stream(device)
-    return _cupy_current_stream().ptr
+    cls = type(like)
+    torch_kind = _torch_types.get(cls)
+    if torch_kind is None:
+        torch_kind = _torch_types[cls] = cls.__module__.startswith("torch")
+    return _torch_current_stream(device) if torch_kind else _cupy_current_stream().ptr
+
+
+_torch_types: dict = {}  # an array's type -> whether torch's (its streams are torch's)
 
 
 def _cupy_current_stream():

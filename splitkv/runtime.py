@@ -463,14 +463,13 @@ class DecodeAttention:
     def _enqueue(self, launch: Launch, q, k, v, out, lse, stream: int) -> None:
         """Checks the arrays (in full for a layout not seen before) and enqueues the plan's
         programs on ``stream``, ordered after the previous plan or run."""
-        run_arrays = (q, k, v, out, lse)
         layout, pointers, quantized = read_arrays(q, k, v, out, lse)
         seen, shapes, extents, checked = self._validated
         if layout is None or layout != seen:
             # Arrays known only by their interface are validated on every call, and their
             # producers' streams (the interface's 'stream') waited for.
             producers, shapes, extents = tensors.check_run_inputs(
-                run_arrays, self.device, self.kv_layout if self.page_size else None)
+                (q, k, v, out, lse), self.device, self.kv_layout if self.page_size else None)
             launch.check_inputs(shapes)
             for producer in producers:
                 streams.wait_for_producer(producer, stream, self._producer_events)

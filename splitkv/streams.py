@@ -138,12 +138,15 @@ class StreamOrder:
     def __init__(self):
         self._done = None  # event after the last work queued outside a capture
         self._last = None  # stream_key of the stream it was recorded on
+        # its handle: a handle equal to it names the same stream, unless it is the per-thread
+        # default stream's (one handle, a stream per thread), which is never kept here
+        self._last_ptr = None
 
     def enter(self, ptr: int) -> bool:
         """Orders stream ``ptr`` after the last work, when that was on another stream or ``ptr``
         is being captured. Returns whether ``ptr`` is being captured."""
         capturing = is_capturing(ptr)
-        if self._done is not None and (capturing or stream_key(ptr) != self._last):
+        if self._done is not None and (capturing or (ptr != self._last_ptr and stream_key(ptr) != self._last)):
             _wait(ptr, self._done)
         return capturing
 
@@ -160,7 +163,8 @@ class StreamOrder:
         if self._done is None:
             self._done = _new_event()
         _record(self._done, ptr)
-        self._last = stream_key(ptr)
+        if ptr != self._last_ptr:
+            self._last, self._last_ptr = stream_key(ptr), None if ptr == PER_THREAD_DEFAULT else ptr
 
 
 def wait_for_producer(producer: int | None, consumer: int, event_holder: dict) -> None:

@@ -231,7 +231,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_protocol(item, nextitem):
     """In a parallel run (pytest-xdist), a GPU test holds the GPU with the others or, marked
     gpu_exclusive, alone, from its setup to its teardown."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") or item.get_closest_marker("gpu") is None:
+    if (not os.environ.get("PYTEST_XDIST_WORKER") or item.get_closest_marker("gpu") is None
+            or _no_gpu_reason() is not None):  # without a GPU they are skipped: nothing to share
         yield
         return
     if _Run.gate is None:

@@ -18,7 +18,7 @@ from splitkv.plan import plan_splits
 from splitkv.spec import KernelSpec
 from splitkv.tuned import lookup, tables
 from splitkv.tuned.keys import TuneKey
-from tests.test_runtime_fake_gpu import _DeviceArray, fake_gpu  # noqa: F401 - fake_gpu: a fixture, used by name
+from tests.fake_gpu import _DeviceArray, fake_gpu  # noqa: F401 - fake_gpu: a fixture, used by name
 
 from autotune_helpers import (ARCH, GPU, KEY, OTHER_KEY, OTHER_SPLIT, TUNED_DENSE, TUNED_SPLIT, entry, header,
                               save_table)

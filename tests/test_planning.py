@@ -1,5 +1,5 @@
 """The planning policy (`splitkv.planning.choose_plan`) on the CPU: its rules, and that
-`DecodeAttention.plan` launches what it chooses (on the fake H200 of test_runtime_fake_gpu)."""
+`DecodeAttention.plan` launches what it chooses (on the fake H200 of tests/fake_gpu.py)."""
 
 import subprocess
 import sys
@@ -12,7 +12,7 @@ from splitkv import planning
 from splitkv.heuristics import default_spec, few_splits_max_bytes, resident_ctas_per_sm, saturating_ctas
 from splitkv.plan import SplitPlan, fit_clusters, plan_splits_unchecked
 from splitkv.work_units import UnitPlan
-from tests.test_runtime_fake_gpu import fake_gpu  # noqa: F401 - a fixture, used by name
+from tests.fake_gpu import fake_gpu  # noqa: F401 - a fixture, used by name
 
 SMS = 132
 HEADS = 8

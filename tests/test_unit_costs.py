@@ -14,7 +14,7 @@ from splitkv.autotune import unit_costs, writing
 from splitkv.tuned import lookup, tables
 from splitkv.autotune.objective import TrialFailed
 from splitkv.work_units import CostModel, choose_kv_splits, predicted_makespan
-from tests.test_runtime_fake_gpu import fake_gpu  # noqa: F401 - a fixture, used by name
+from tests.fake_gpu import fake_gpu  # noqa: F401 - a fixture, used by name
 
 GPU = "NVIDIA Fake GPU"
 ARCH = "sm_90"

@@ -15,7 +15,7 @@ from splitkv import DecodeAttention, cli  # noqa: E402
 from splitkv.tuned import keys, lookup, tables  # noqa: E402
 from splitkv.runtime import gpu_name  # noqa: E402
 
-from test_decode_gpu import _rng, check_close, poisoned, random_values, reference  # noqa: E402
+from decode_checks import _rng, check_close, poisoned, random_values, reference  # noqa: E402
 from test_quantized_decode_gpu import quantized_inputs  # noqa: E402
 
 

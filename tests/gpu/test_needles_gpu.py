@@ -48,7 +48,7 @@ from splitkv import DecodeAttention, QuantizedKV  # noqa: E402
 from splitkv.heuristics import default_spec  # noqa: E402
 from splitkv.spec import QUANTIZED_KV_DTYPES  # noqa: E402
 
-from test_decode_gpu import poisoned, to_float64  # noqa: E402
+from decode_checks import poisoned, to_float64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -21,7 +21,7 @@ import splitkv  # noqa: E402
 from splitkv import DecodeAttention, QuantizedKV  # noqa: E402
 from splitkv.heuristics import default_spec  # noqa: E402
 
-from test_decode_gpu import _rng, check_close, fresh_seed, poisoned, random_values, reference, to_float64  # noqa: E402
+from decode_checks import _rng, check_close, fresh_seed, poisoned, random_values, reference, to_float64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

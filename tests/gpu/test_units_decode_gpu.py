@@ -18,7 +18,7 @@ cupy = pytest.importorskip("cupy")
 from splitkv import DecodeAttention  # noqa: E402
 from splitkv.work_units import NO_PARTIAL, UNIT_FIELDS, max_units  # noqa: E402
 
-from test_decode_gpu import _rng, check_close, poisoned, random_values, reference  # noqa: E402
+from decode_checks import _rng, check_close, poisoned, random_values, reference  # noqa: E402
 from test_paged_decode_gpu import paged_pair, random_qkv, run_against_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -97,9 +97,7 @@ def _describe(q, k, v, cache_layout: str | None) -> tuple:
     held = _described.get(key) if key is not None else None
     if held is not None:
         return held
-    qi = tensors.describe(q, "q", bf16_from_uint16=True)
-    ki = tensors.describe_kv(k, "k", cache_layout or "NHD")
-    vi = tensors.describe_kv(v, "v", cache_layout or "NHD")
+    qi, ki, vi = _infos(q, k, v, cache_layout)
     shapes = tensors.check_decode_inputs(qi, ki, vi, kv_layout=cache_layout)
     import cupy
 
@@ -112,13 +110,17 @@ def _describe(q, k, v, cache_layout: str | None) -> tuple:
     return held
 
 
+def _infos(q, k, v, cache_layout: str | None) -> tuple:
+    """q's, k's and v's TensorInfo (a paged cache's in ``cache_layout``)."""
+    return (tensors.describe(q, "q", bf16_from_uint16=True), tensors.describe_kv(k, "k", cache_layout or "NHD"),
+            tensors.describe_kv(v, "v", cache_layout or "NHD"))
+
+
 def _empty_results(q, k, v, out, return_lse, cache_layout):
     """decode() of an empty batch: out (given or new) and lse of batch 0, validated as usual."""
     if out is None:
         out = arrays.new_output(q)
-    qi = tensors.describe(q, "q", bf16_from_uint16=True)
-    ki = tensors.describe_kv(k, "k", cache_layout or "NHD")
-    vi = tensors.describe_kv(v, "v", cache_layout or "NHD")
+    qi, ki, vi = _infos(q, k, v, cache_layout)
     tensors.check_decode_inputs(qi, ki, vi, out=tensors.describe(out, "out", bf16_from_uint16=True),
                                 kv_layout=cache_layout)
     return (out, arrays.new_output(q, lse=True)) if return_lse else out

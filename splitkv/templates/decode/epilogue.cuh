@@ -14,7 +14,7 @@ struct ResultTarget {
     float* partial_lse;
     int* counters;
     int num_kv_heads, num_qo_heads, num_splits;
-    int warp, lane, batch_idx, kv_head;
+    int batch_idx, kv_head;  // (the warp and lane: see lane_id)
 };
 
 // The warps' states have been stored into the shared memory at `smem` (WarpStates); `split`,
@@ -28,7 +28,7 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
     float* const partial_lse = at.partial_lse;
     int* const counters = at.counters;
     const int num_kv_heads = at.num_kv_heads, num_qo_heads = at.num_qo_heads, num_splits = at.num_splits;
-    const int warp = at.warp, lane = at.lane, batch_idx = at.batch_idx, kv_head = at.kv_head;
+    const int warp = warp_id(), lane = lane_id(), batch_idx = at.batch_idx, kv_head = at.kv_head;
     // Per row of `states` (threads < GROUP): the CTA's max m, each warp's weight 2^(m_w - m), the
     // CTA's sum and log-sum-exp.
     auto combine_warps = [&](WarpStates states) {

@@ -108,7 +108,7 @@ __device__ __forceinline__ void decode_program(
         __syncwarp();
     }
     int fetch_end = end;
-    TileLoader loader{lane, warp, row_warp, batch_idx, kv_head, max_len, num_kv_heads, table_stride, num_pages,
+    TileLoader loader{row_warp, batch_idx, kv_head, max_len, num_kv_heads, table_stride, num_pages,
                       smem + (size_t)warp * STAGES * 2 * TILE_BYTES,
                       k + head_row0 * ROW_BYTES, v + head_row0 * ROW_BYTES,
                       k_block_scales + head_row0 * SCALE_ROW, v_block_scales + head_row0 * SCALE_ROW,
@@ -156,7 +156,7 @@ __device__ __forceinline__ void decode_program(
         drain(prefetched);
         return;
     }
-    WarpSoftmax<Variant> softmax(lane);
+    WarpSoftmax<Variant> softmax;
     for (int t = 0; t < my_tiles; ++t) {
         load_tile(t + STAGES - 1);  // its stage was consumed in iteration t - 1
         wait_tile(t, WAIT_V_LATER ? 0 : 1);
@@ -207,7 +207,7 @@ __device__ __forceinline__ void decode_program(
     softmax.store(WarpStates{reinterpret_cast<float*>(smem)}, warp, o_factor);
     __syncthreads();
     write_result(ResultTarget{out, lse, partial_o, partial_lse, counters, num_kv_heads, num_qo_heads, num_splits,
-                              warp, lane, batch_idx, kv_head},
+                              batch_idx, kv_head},
                  smem, inbox_full, split, splits_used, partial_slot);
 }
 

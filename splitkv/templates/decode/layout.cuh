@@ -66,6 +66,16 @@ static_assert(STAGES >= 2, "one tile computes while the next one loads");
 using E = splitkv::Elem<mma_t>;
 using splitkv::u32;
 
+// The thread's lane and warp, read from the thread index where they are used, not held as members
+// of the structs below nor handed to them as arguments. Derived from the thread index in the step
+// itself, the ldmatrix and copy offsets, the swizzle XORs and the mask offsets are recomputed inside
+// the main loop or hoisted once each; derived from a struct's copy of the lane, they are all hoisted
+// before the loop, some twice (the swizzle of each 16-token block), and each holds a register across
+// it (three times the loop's live-in values at head_dim 64 with per-lane copies, and occupancy lost
+// where registers bound it).
+__device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
+__device__ __forceinline__ int warp_id() { return threadIdx.x / 32; }
+
 // Byte c (a multiple of 16: one 16-byte chunk) of token r's row of a K or V tile in shared memory.
 // Padded rows of ROW bytes; or (tma) ROW_BYTES / BOX_BYTES boxes of TILE rows of BOX_BYTES one after
 // the other, the copy engine's swizzle XOR-ing a row's 16-byte chunk index with bits 7.. of the

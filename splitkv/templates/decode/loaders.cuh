@@ -16,7 +16,8 @@ __device__ __forceinline__ auto stage_barriers() -> unsigned long long (&)[WARPS
 // the sequence filled the cache (so the first tiles are in flight before the length arrives),
 // then trimmed in place.
 struct TileLoader {
-    const int lane, warp, row_warp, batch_idx, kv_head, max_len, num_kv_heads, table_stride, num_pages;
+    // (No lane or warp members: see lane_id.)
+    const int row_warp, batch_idx, kv_head, max_len, num_kv_heads, table_stride, num_pages;
     unsigned char* const ring;
     const unsigned char* const k_head;         // cp.async: the head's first row of K, of V
     const unsigned char* const v_head;
@@ -44,6 +45,7 @@ struct TileLoader {
     // cache (and into the table's row), so that no table, however wrong, makes a read leave it.
     __device__ __forceinline__ void batch_pages(int b, int (&pages)[PAGE_REGS]) const {
         if constexpr (PAGED) {
+            const int lane = lane_id();
 #pragma unroll
             for (int i = 0; i < PAGE_REGS; ++i) {
                 const int s = lane + 32 * i;
@@ -74,6 +76,7 @@ struct TileLoader {
     __device__ __forceinline__ void copy_scales(unsigned char* tile, const unsigned char* head, int valid_end,
                                                 int first, int slot0) const {
         if constexpr (NVFP4) {
+            const int lane = lane_id();
 #pragma unroll
             for (int j = 0; j < (TILE + 31) / 32; ++j) {
                 const int r = lane + 32 * j;
@@ -114,7 +117,8 @@ struct TileLoader {
     // Paged: the map's rows are a page's tokens (NHD: of every K/V head) or one K/V head's
     // tokens (HND); a tile of several pages comes as a box per page, lane j asking for page j's.
     __device__ __forceinline__ void copy_by_maps(int t, int first, int slot0, unsigned char* k_tile, unsigned char* v_tile) {
-        unsigned long long* bars = stage_barriers()[warp][t % STAGES];
+        const int lane = lane_id();
+        unsigned long long* bars = stage_barriers()[warp_id()][t % STAGES];
         if constexpr (ROW_BOXES > 1) {
             if (lane < 2) splitkv::mbarrier_arrive_expect_tx(bars + lane, TILE * ROW_BYTES);
             __syncwarp();
@@ -143,6 +147,7 @@ struct TileLoader {
     }
     // Every lane copies 16-byte pieces of the tile's rows, K and V in cp.async groups of their own.
     __device__ __forceinline__ void copy_by_lanes(int first, int slot0, unsigned char* k_tile, unsigned char* v_tile) {
+        const int lane = lane_id();
         const unsigned char* const k_src = k_head;
         const unsigned char* const v_src = v_head;
         const unsigned char* const k_scale_src = k_scales_head;
@@ -185,7 +190,7 @@ struct TileLoader {
     // 2 (STAGES - 1) more.
     __device__ __forceinline__ void wait_tile(int t, int kv) const {
         if constexpr (SWIZZLED) {
-            for (int j = 0; j <= kv; ++j) splitkv::mbarrier_wait(&stage_barriers()[warp][t % STAGES][j], (t / STAGES) & 1);
+            for (int j = 0; j <= kv; ++j) splitkv::mbarrier_wait(&stage_barriers()[warp_id()][t % STAGES][j], (t / STAGES) & 1);
         } else {
             if (kv == 0) splitkv::cp_async_wait<2 * STAGES - 1>();
             else splitkv::cp_async_wait<2 * STAGES - 2>();
@@ -196,7 +201,7 @@ struct TileLoader {
     __device__ __forceinline__ void drain(int loaded) const {
         if constexpr (SWIZZLED) {
             for (int t = my_tiles; t < loaded; ++t)
-                for (int kv = 0; kv < 2; ++kv) splitkv::mbarrier_wait(&stage_barriers()[warp][t % STAGES][kv], (t / STAGES) & 1);
+                for (int kv = 0; kv < 2; ++kv) splitkv::mbarrier_wait(&stage_barriers()[warp_id()][t % STAGES][kv], (t / STAGES) & 1);
         } else {
             (void)loaded;
             splitkv::cp_async_wait<0>();

@@ -43,18 +43,18 @@ __device__ __forceinline__ float online_softmax_update(float& m_run, float& l_ru
 // A warp's online-softmax state and its step over a tile. Tokens: rows are query heads 2(lane%4)
 // ([0]) and 2(lane%4) + 1 ([1]), O held transposed (o[mb] has dims mb*16 + lane/4, and + 8).
 // Heads: rows lane/4 ([0]) and lane/4 + 8 ([1]). l is this lane's partial sum over its tokens.
+// (No lane members: each step reads the lane as lane_id says, with qr = lane/4 and qc = 2(lane%4).)
 template <class Variant>
 struct WarpSoftmax {
-    const int lane, qr, qc;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float o[O_BLOCKS][4];
 
-    __device__ __forceinline__ WarpSoftmax(int lane_) : lane(lane_), qr(lane_ / 4), qc(2 * (lane_ % 4)) {
+    __device__ __forceinline__ WarpSoftmax() {
 #pragma unroll
         for (int mb = 0; mb < O_BLOCKS; ++mb) o[mb][0] = o[mb][1] = o[mb][2] = o[mb][3] = 0.f;
     }
     // The MMA row of state h: its query head within the group.
-    __device__ __forceinline__ int row_of(int h) const { return MMA_TOKENS ? qc + h : qr + 8 * h; }
+    __device__ __forceinline__ static int row_of(int h) { return MMA_TOKENS ? 2 * (lane_id() % 4) + h : lane_id() / 4 + 8 * h; }
 
     // S of the tile in `k_tile`. Tokens: 16 tokens x 16 dims of K are the A operand (one
     // ldmatrix.x4), Q the B operand (its fragments of rows 0..7 are B fragments with the query
@@ -62,6 +62,7 @@ struct WarpSoftmax {
     // tokens lane/4 and lane/4 + 8, a[2], a[3] chunk 2 cg + 1. Heads: one ldmatrix.x4 gives the B
     // fragments of two k-steps for 8 tokens.
     __device__ __forceinline__ void scores(float (&s)[S_BLOCKS][4], unsigned char* k_tile, const u32 (&qa)[KSTEPS][4]) const {
+        [[maybe_unused]] const int lane = lane_id(), qr = lane / 4, qc = 2 * (lane % 4);
         if constexpr (MMA_TOKENS) {
 #pragma unroll
             for (int kb = 0; kb < TILE / 16; ++kb) {
@@ -142,6 +143,7 @@ struct WarpSoftmax {
     // s[nb][2 h + e] is token nb*8 + 2(lane%4) + e of row lane/4 + 8 h, the others lane ^ 1, ^ 2.
     __device__ __forceinline__ void update(float (&s)[S_BLOCKS][4], int first, int end, bool partial_tile,
                                            float s_factor, int qo_head0) {
+        [[maybe_unused]] const int lane = lane_id(), qr = lane / 4, qc = 2 * (lane % 4);
         constexpr int COUNT = 2 * S_BLOCKS;
 #pragma unroll
         for (int h = 0; h < (MMA_TOKENS || ROWS16 ? 2 : 1); ++h) {
@@ -175,6 +177,7 @@ struct WarpSoftmax {
     // become A fragments in registers; V's B fragments come from ldmatrix.trans (V is stored
     // [token][dim], B wants k = token).
     __device__ __forceinline__ void accumulate(const float (&s)[S_BLOCKS][4], unsigned char* v_tile) {
+        [[maybe_unused]] const int lane = lane_id(), qr = lane / 4, qc = 2 * (lane % 4);
         if constexpr (MMA_TOKENS) {
 #pragma unroll
             for (int kb = 0; kb < TILE / 16; ++kb) {
@@ -276,6 +279,7 @@ struct WarpSoftmax {
     }
     // Warp `warp`'s part of `states`, O times `o_factor`.
     __device__ __forceinline__ void store(WarpStates states, int warp, float o_factor) const {
+        [[maybe_unused]] const int lane = lane_id(), qr = lane / 4, qc = 2 * (lane % 4);
         float* warp_m = states.m();
         float* warp_l = states.l();
         float* warp_o = states.o();

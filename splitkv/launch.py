@@ -285,13 +285,17 @@ def _kind(cls) -> int:
     return kind
 
 
-def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple]:
-    """(layout, pointers, quantized) of run()'s arrays: what validation depends on, read cheaply
-    from CuPy arrays and torch tensors (None when any array is of another kind: such inputs are
-    validated on every call); each array's device address (a quantized cache's values'; 0 for
-    None); and the decode struct's quantized-cache fields: K's and V's float32 scales and NVFP4
+def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple, tuple]:
+    """(layout, pointers, quantized, kv shape) of run()'s arrays: what validation depends on, read
+    cheaply from CuPy arrays and torch tensors (None when any array is of another kind: such
+    inputs are validated on every call); each array's device address (a quantized cache's values';
+    0 for None); the decode struct's quantized-cache fields: K's and V's float32 scales and NVFP4
     block scales (addresses), then whether each scale has one value per K/V head (zeros for 16-bit
-    K/V). torch tensors are read inline: this runs on every run()."""
+    K/V); and k's shape (a quantized cache's values'). This runs on every run()."""
+    cls = type(q)
+    if (_kinds.get(cls) == _TORCH and type(k) is cls and type(v) is cls and type(out) is cls
+            and (lse is None or type(lse) is cls)):
+        return _read_torch(q, k, v, out, lse)
     layout, pointers, quantized = [], [], []
     known = True
     for x in (q, k, v, out, lse):
@@ -322,7 +326,22 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple]:
         quantized = (k_scale, v_scale, k_blocks, v_blocks, k_per_head, v_per_head)
     else:
         quantized = _NO_QUANTIZED
-    return (tuple(layout) if known else None), tuple(pointers), quantized
+    return (tuple(layout) if known else None), tuple(pointers), quantized, kv_shape(k)
+
+
+def _read_torch(q, k, v, out, lse) -> tuple:
+    """`read_arrays` of torch tensors (lse may be None), spelled out: the common case, where the
+    generic loop's per-array dispatch would cost about as much as the reads. The entries are the
+    loop's own, so a layout compares equal whichever way it was read."""
+    q_ptr, k_ptr, v_ptr, out_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    lse_ptr = 0 if lse is None else lse.data_ptr()
+    k_shape = k.shape
+    layout = ((q.shape, q.stride(), q.dtype, q.get_device(), q_ptr & _ALIGN_MASK),
+              (k_shape, k.stride(), k.dtype, k.get_device(), k_ptr & _ALIGN_MASK),
+              (v.shape, v.stride(), v.dtype, v.get_device(), v_ptr & _ALIGN_MASK),
+              (out.shape, out.stride(), out.dtype, out.get_device(), out_ptr & _ALIGN_MASK),
+              () if lse is None else (lse.shape, lse.stride(), lse.dtype, lse.get_device(), lse_ptr & _ALIGN_MASK))
+    return layout, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr), _NO_QUANTIZED, k_shape
 
 
 def _read(x) -> tuple:
@@ -355,6 +374,8 @@ def kv_shape(k) -> tuple:
     .shape attribute too."""
     if isinstance(k, QuantizedKV):
         k = k.values
+    if k is None:
+        return ()
     shape = getattr(k, "shape", None)
     if shape is None:
         from . import tensors

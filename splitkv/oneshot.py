@@ -46,7 +46,8 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
         raise ValueError(f"kv_layout: {kv_layout!r} is a page layout and needs a block_table; a contiguous "
                          f"cache [B, L_max, Hkv, D] is read as 'NHD'")
     cache_layout = kv_layout if paging else None
-    shapes, device, qi = _describe(q, k, v, cache_layout)
+    read = read_arrays(q, k, v, out, None)  # run() takes it too: the arrays are read once per call
+    shapes, device, qi = _describe(q, k, v, cache_layout, read[0])
     if paging and seq_lens is None:
         raise ValueError("seq_lens: a paged cache needs the lengths (its pages do not say them)")
     sm_scale = tensors.check_sm_scale(sm_scale)
@@ -86,14 +87,18 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
                     _instances.popitem(last=False)
             _instances.move_to_end(key)
             attn._plan_checked(seq_lens, block_table=block_table, validate=validate, stream=launch_stream)
+            if out is not None and not return_lse:
+                return attn._run_read(q, k, v, out, launch_stream, read)
             return attn.run(q, k, v, out=out, return_lse=return_lse, stream=launch_stream)
 
 
-def _describe(q, k, v, cache_layout: str | None) -> tuple:
+def _describe(q, k, v, cache_layout: str | None, layout: tuple | None) -> tuple:
     """(DecodeShapes, device, q's TensorInfo) of the inputs, checked together; kept per layout of
-    CuPy and torch inputs (arrays known only by an interface are described on every call)."""
-    layout = read_arrays(q, k, v, None, None)[0]
-    key = None if layout is None else (layout, cache_layout)
+    CuPy and torch inputs (arrays known only by an interface are described on every call).
+    ``layout``: `read_arrays`' of (q, k, v, out, None), or None where one is of another kind."""
+    if layout is None:  # out may be the one of another kind
+        layout = read_arrays(q, k, v, None, None)[0]
+    key = None if layout is None else (layout[:3], cache_layout)
     held = _described.get(key) if key is not None else None
     if held is not None:
         return held

@@ -24,8 +24,7 @@ import numpy as np
 from . import arrays, planning, streams, tensors
 from .heuristics import (default_spec, few_splits_max_bytes, resident_ctas_per_sm, saturating_ctas,
                          takes_whole_row_clusters)
-from .launch import (MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart,
-                     kv_shape, read_arrays)
+from .launch import MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart, read_arrays
 from .plan import SplitPlan
 from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
@@ -443,8 +442,18 @@ class DecodeAttention:
             raise RuntimeError("run() before plan(): call plan(seq_lens) first")
         if out is None or (return_lse and lse is None) or self._cuda.getDevice() != self.device:
             return self._run_allocating(launch, q, k, v, out, lse, return_lse, stream)
-        self._enqueue(launch, q, k, v, out, lse, arrays.launch_stream(q, stream, self.device))
+        self._enqueue(launch, q, k, v, out, lse, arrays.launch_stream(q, stream, self.device),
+                      read_arrays(q, k, v, out, lse))
         return (out, lse) if return_lse else out
+
+    def _run_read(self, q, k, v, out, stream: int, read: tuple):
+        """run() of ``out`` (no lse) on stream handle ``stream``, the arrays read already
+        (`read_arrays` of q, k, v, out and None): decode()'s, which read them to describe them."""
+        launch = self._launch
+        if launch is None or self._cuda.getDevice() != self.device:
+            return self.run(q, k, v, out=out, stream=stream)
+        self._enqueue(launch, q, k, v, out, None, stream, read)
+        return out
 
     def _run_allocating(self, launch: Launch, q, k, v, out, lse, return_lse: bool, stream):
         """run() with this instance's device made current, and the missing outputs allocated."""
@@ -457,13 +466,13 @@ class DecodeAttention:
                         out = arrays.new_output(q, stream=ptr)
                     if return_lse and lse is None:
                         lse = arrays.new_output(q, lse=True, stream=ptr)
-            self._enqueue(launch, q, k, v, out, lse, ptr)
+            self._enqueue(launch, q, k, v, out, lse, ptr, read_arrays(q, k, v, out, lse))
         return (out, lse) if return_lse else out
 
-    def _enqueue(self, launch: Launch, q, k, v, out, lse, stream: int) -> None:
-        """Checks the arrays (in full for a layout not seen before) and enqueues the plan's
-        programs on ``stream``, ordered after the previous plan or run."""
-        layout, pointers, quantized = read_arrays(q, k, v, out, lse)
+    def _enqueue(self, launch: Launch, q, k, v, out, lse, stream: int, read: tuple) -> None:
+        """Checks the arrays (in full for a layout not seen before; ``read``: their `read_arrays`)
+        and enqueues the plan's programs on ``stream``, ordered after the previous plan or run."""
+        layout, pointers, quantized, k_shape = read
         seen, shapes, extents, checked = self._validated
         if layout is None or layout != seen:
             # Arrays known only by their interface are validated on every call, and their
@@ -482,7 +491,7 @@ class DecodeAttention:
         if args is None:
             args = self._arguments[threading.get_ident()] = Arguments()
         capturing = self._order.enter(stream)
-        launch.enqueue(args, stream, pointers, quantized, kv_shape(k), self._tensor_maps)
+        launch.enqueue(args, stream, pointers, quantized, k_shape, self._tensor_maps)
         self._order.leave(stream, capturing)
 
 

@@ -25,17 +25,18 @@ PER_THREAD_DEFAULT = 2
 _streams: dict[tuple, object] = {}
 
 
-@contextlib.contextmanager
 def on_device(ordinal: int):
-    """CUDA device ``ordinal`` current for the block (its programs, workspace and streams live
-    there); nothing is switched when it already is, the common case on a launch's path."""
+    """A context manager that makes CUDA device ``ordinal`` current for its block (its programs,
+    workspace and streams live there); nothing is switched when it already is, the common case on
+    a launch's path, which then costs one query (a generator-based manager costs several)."""
+    if _runtime().getDevice() == ordinal:
+        return _NO_SWITCH
     import cupy
 
-    if cupy.cuda.runtime.getDevice() == ordinal:
-        yield
-    else:
-        with cupy.cuda.Device(ordinal):
-            yield
+    return cupy.cuda.Device(ordinal)
+
+
+_NO_SWITCH = contextlib.nullcontext()
 
 
 @contextlib.contextmanager

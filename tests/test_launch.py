@@ -35,5 +35,26 @@ def test_arrays_known_only_by_an_interface_have_no_layout_to_reuse():
         __cuda_array_interface__ = {"version": 3, "shape": (2, 8, 128), "typestr": "<f2",
                                     "data": (0x7000_0000, False), "strides": None}
 
-    layout, pointers, quantized = read_arrays(Interface(), None, None, None, None)
-    assert layout is None and pointers == (0x7000_0000, 0, 0, 0, 0) and quantized == (0,) * 6
+    layout, pointers, quantized, k_shape = read_arrays(Interface(), None, None, None, None)
+    assert layout is None and pointers == (0x7000_0000, 0, 0, 0, 0) and quantized == (0,) * 6 and k_shape == ()
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_torch_tensors_read_spelled_out_give_the_generic_loops_layout(with_lse):
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 64, 2, 128, dtype=torch.bfloat16)
+    v = torch.zeros(2, 64, 2, 128, dtype=torch.bfloat16)[:, :, :, :]
+    out = torch.empty(2, 8, 128, dtype=torch.bfloat16)
+    lse = torch.empty(2, 8, dtype=torch.float32) if with_lse else None
+    fast = read_arrays(q, k, v, out, lse)
+    # A None among the torch tensors (here k) takes the generic loop: each entry read alone.
+    generic = [read_arrays(x, None, None, None, None) for x in (q, k, v, out)]
+    lse_entry = () if lse is None else read_arrays(lse, None, None, None, None)[0][0]
+    expected = tuple(g[0][0] for g in generic) + (lse_entry,)
+    assert fast[0] == expected
+    assert fast[1] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+    assert fast[2] == (0,) * 6 and fast[3] == k.shape
+    # The layout names what validation depends on: another stride or dtype is another layout.
+    assert read_arrays(q, k, v.transpose(1, 2), out, lse)[0] != fast[0]
+    assert read_arrays(q, k, v, out.float(), lse)[0] != fast[0]

@@ -293,9 +293,12 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple, tuple]:
     block scales (addresses), then whether each scale has one value per K/V head (zeros for 16-bit
     K/V); and k's shape (a quantized cache's values'). This runs on every run()."""
     cls = type(q)
-    if (_kinds.get(cls) == _TORCH and type(k) is cls and type(v) is cls and type(out) is cls
-            and (lse is None or type(lse) is cls)):
-        return _read_torch(q, k, v, out, lse)
+    if type(k) is cls and type(v) is cls and type(out) is cls and (lse is None or type(lse) is cls):
+        kind = _kinds.get(cls)
+        if kind == _TORCH:
+            return _read_torch(q, k, v, out, lse)
+        if kind == _CUPY:
+            return _read_cupy(q, k, v, out, lse)
     layout, pointers, quantized = [], [], []
     known = True
     for x in (q, k, v, out, lse):
@@ -344,6 +347,25 @@ def _read_torch(q, k, v, out, lse) -> tuple:
     return layout, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr), _NO_QUANTIZED, k_shape
 
 
+def _read_cupy(q, k, v, out, lse) -> tuple:
+    """`_read_torch` for CuPy arrays: each array's memory pointer gives its address and device."""
+    qm, km, vm, om = q.data, k.data, v.data, out.data
+    q_ptr, k_ptr, v_ptr, out_ptr = qm.ptr, km.ptr, vm.ptr, om.ptr
+    k_shape = k.shape
+    if lse is None:
+        lse_ptr, lse_entry = 0, ()
+    else:
+        lm = lse.data
+        lse_ptr = lm.ptr
+        lse_entry = (_CUPY, lse.shape, lse.strides, lse.dtype, lm.device_id, lse_ptr & _ALIGN_MASK)
+    layout = ((_CUPY, q.shape, q.strides, q.dtype, qm.device_id, q_ptr & _ALIGN_MASK),
+              (_CUPY, k_shape, k.strides, k.dtype, km.device_id, k_ptr & _ALIGN_MASK),
+              (_CUPY, v.shape, v.strides, v.dtype, vm.device_id, v_ptr & _ALIGN_MASK),
+              (_CUPY, out.shape, out.strides, out.dtype, om.device_id, out_ptr & _ALIGN_MASK),
+              lse_entry)
+    return layout, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr), _NO_QUANTIZED, k_shape
+
+
 def _read(x) -> tuple:
     """(layout entry or None, device address) of one array (not a quantized cache) of any kind."""
     kind = _kind(type(x))
@@ -351,8 +373,9 @@ def _read(x) -> tuple:
         ptr = x.data_ptr()
         return (x.shape, x.stride(), x.dtype, x.get_device(), ptr & _ALIGN_MASK), ptr
     if kind == _CUPY:  # its entry starts with its kind: a torch entry's fields compare equal to a CuPy one's
-        ptr = x.data.ptr
-        return (_CUPY, x.shape, x.strides, x.dtype, x.device.id, ptr & _ALIGN_MASK), ptr
+        memory = x.data
+        ptr = memory.ptr
+        return (_CUPY, x.shape, x.strides, x.dtype, memory.device_id, ptr & _ALIGN_MASK), ptr
     if kind == _NONE:
         return (), 0
     from . import tensors

@@ -191,6 +191,28 @@ def test_layout_cache_still_checks_alignment_and_foreign_lse():
         attn.run(q, k, k, out=cupy.empty((2, 8, 128), cupy.uint16), lse=InterfaceOnly(cupy.empty(3, cupy.float32)))
 
 
+def test_spelled_out_reads_of_cupy_and_torch_arrays_match_the_generic_loop():
+    # run() reads arrays of one kind in a spelled-out pass and mixed ones entry by entry; a layout
+    # validated once must compare equal whichever way it is read, and differ on a changed stride.
+    from splitkv.launch import read_arrays
+
+    def per_array(arrays):
+        return tuple(read_arrays(x, None, None, None, None)[0][0] if x is not None else () for x in arrays)
+
+    q, _ = random_values((2, 8, 128), "bf16", fresh_seed(5))
+    k, _ = random_values((2, 300, 2, 128), "bf16", fresh_seed(6))
+    sets = [(q, k, k, cupy.empty_like(q), cupy.empty((2, 8), cupy.float32)), (q, k, k, cupy.empty_like(q), None)]
+    torch = pytest.importorskip("torch")
+    tq, tk = torch.as_tensor(q.view(cupy.int16)).view(torch.bfloat16), torch.as_tensor(k.view(cupy.int16)).view(torch.bfloat16)
+    sets += [(tq, tk, tk, torch.empty_like(tq), torch.empty(2, 8, device=tq.device)), (tq, tk, tk, torch.empty_like(tq), None)]
+    for arrays in sets:
+        layout, pointers, quantized, k_shape = read_arrays(*arrays)
+        assert layout == per_array(arrays)
+        assert pointers[:2] == tuple(read_arrays(x, None, None, None, None)[1][0] for x in arrays[:2])
+        assert quantized == (0,) * 6 and tuple(k_shape) == (2, 300, 2, 128)
+    assert read_arrays(q, k, k[:, ::2], cupy.empty_like(q), None)[0] != read_arrays(*sets[1])[0]
+
+
 def test_lengths_may_grow_up_to_max_len():
     # A plan made with max_len covers lengths rewritten in place up to it (CUDA-graph replays).
     q, q64 = random_values((1, 8, 128), "bf16", fresh_seed(5))

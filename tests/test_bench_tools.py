@@ -285,3 +285,23 @@ def test_warp_phases_summary_is_per_tile_and_leaves_out_idle_warps():
         "  loop per warp: median 2.00 µs, slowest 5.00; 2 tiles; waiting 20% (first tile 0.15 µs)",
         "  per tile, cycles: K wait 150  S + softmax 400  V wait 50  P V 300"]
     assert tool.summarise(np.zeros_like(sums), 1000.0) == ["  no warp streamed a tile"]
+
+
+def test_host_time_alternates_its_sides_block_by_block(monkeypatch):
+    host_time = _bench_tool("host_time")
+    monkeypatch.setattr(host_time, "_drain", lambda: None)
+    order = []
+    times = host_time.time_alternating([lambda: order.append("a"), lambda: order.append("b")], 10, block=4)
+    assert [len(t) for t in times] == [10, 10]
+    # Blocks of 4, 4 and 2 calls, the sides' order reversed from one block to the next (ABBA).
+    assert "".join(order) == "aaaabbbb" + "bbbbaaaa" + "aabb"
+
+
+def test_host_time_table_shows_a_baselines_run_beside_this_trees():
+    host_time = _bench_tool("host_time")
+    result = {"baseline": {"commit": "abc1234"}, "results": [
+        {"description": "case", "run_us_median": 9.0, "run_us_p90": 10.0, "baseline_run_us_median": 12.0,
+         "plan_us_median": 100.0, "plan_us_p90": 110.0}]}
+    lines = host_time.markdown(result).splitlines()
+    assert "abc1234 run() µs" in lines[0] and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
+    assert "| 9.0 | 10.0 | 12.0 | 0.75 | 100 | 110 | – | – |" in lines[2]

@@ -64,34 +64,22 @@ __device__ __forceinline__ void decode_program(
     // first MMA. a0: row lane/4, k = 2(lane%4)+{0,1}; a1: row +8; a2: k +8; a3: row +8, k +8.
     const int qr = lane / 4, qc = 2 * (lane % 4);
     u32 qa[KSTEPS][4];
-    // Q is read with __ldg: a pointer taken from Params is no restrict kernel argument, so the
-    // compiler no longer picks the read-only path for plain reads. One __ldg per 32-bit word: a
-    // pair of them per k-slot pair keeps a branch per pair, each recomputing its addresses.
-    auto load_q = [&](const q_t* q_rows) {  // the group's query heads, in global memory
-        // The aligned word of one row that holds k-slot `slot` of k-step ks (slot even): k-slots
-        // slot, slot + 1 for 16-bit K/V and for FP8 (adjacent elements, see k_slot_dim), k-slots
-        // slot, slot + 8 for NVFP4.
-        auto q_word = [&](int row, int ks, int slot) -> u32 {
+    auto load_q = [&](const q_t* q_rows) {  // the group's query heads, in global or shared memory
+        // k-slots `slot`, slot + 1 of k-step ks of one row, as stored: adjacent elements for 16-bit
+        // K/V, elements k_slot_dim apart for quantized K/V.
+        auto q_pair = [&](int row, int ks, int slot) -> u32 {
             if (row >= GROUP) return 0u;
             const q_t* r = q_rows + (size_t)row * HEAD_DIM;
-            return __ldg(reinterpret_cast<const u32*>(r + (QUANTIZED ? k_slot_dim(ks, slot) : ks * 16 + slot)));
-        };
-        // k-slots slot, slot + 1 (a) and slot + 8, slot + 9 (b) of k-step ks of one row.
-        auto q_pairs = [&](int row, int ks, int slot, u32& a, u32& b) {
-            if constexpr (NVFP4) {  // from the words of k-slots (slot, slot + 8) and (slot + 1, slot + 9)
-                const u32 w0 = q_word(row, ks, slot), w1 = q_word(row, ks, slot + 1);
-                a = __byte_perm(w0, w1, 0x5410);
-                b = __byte_perm(w0, w1, 0x7632);
-            } else {
-                a = q_word(row, ks, slot);
-                b = q_word(row, ks, slot + 8);
-            }
+            if constexpr (!QUANTIZED) return *reinterpret_cast<const u32*>(r + ks * 16 + slot);
+            const unsigned short* bits = reinterpret_cast<const unsigned short*>(r);
+            return (u32)bits[k_slot_dim(ks, slot)] | ((u32)bits[k_slot_dim(ks, slot + 1)] << 16);
         };
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            q_pairs(qr, ks, qc, qa[ks][0], qa[ks][2]);
-            if (ROWS16) q_pairs(qr + 8, ks, qc, qa[ks][1], qa[ks][3]);
-            else qa[ks][1] = qa[ks][3] = 0u;
+            qa[ks][0] = q_pair(qr, ks, qc);
+            qa[ks][1] = ROWS16 ? q_pair(qr + 8, ks, qc) : 0u;
+            qa[ks][2] = q_pair(qr, ks, qc + 8);
+            qa[ks][3] = ROWS16 ? q_pair(qr + 8, ks, qc + 8) : 0u;
         }
     };
     load_q(q + ((size_t)batch_idx * num_qo_heads + (size_t)kv_head * GROUP) * HEAD_DIM);
@@ -149,8 +137,8 @@ __device__ __forceinline__ void decode_program(
     convert_q();
     // The fp32 factors of S (into base 2) and of O: the softmax scale, and for quantized K/V the
     // tensor's (or K/V head's) scales over the unit of the unpacked values.
-    auto k_factor = [&](int head) { return QUANTIZED ? scale_log2 * (__ldg(k_scale + head * k_per_head) / KV_UNIT) : scale_log2; };
-    auto v_factor = [&](int head) { return QUANTIZED ? __ldg(v_scale + head * v_per_head) / KV_UNIT : 1.f; };
+    auto k_factor = [&](int head) { return QUANTIZED ? scale_log2 * (k_scale[head * k_per_head] / KV_UNIT) : scale_log2; };
+    auto v_factor = [&](int head) { return QUANTIZED ? v_scale[head * v_per_head] / KV_UNIT : 1.f; };
     float s_factor = k_factor(kv_head), o_factor = v_factor(kv_head);
 
     int splits_used = 1;

@@ -128,13 +128,11 @@ struct TileLoader {
             const int row = !PAGED ? batch_idx * max_len + first
                           : (HND ? (page * num_kv_heads + kv_head) * PAGE : page * PAGE) + (ROW_BOXES > 1 ? 0 : first % PAGE);
             const int col = HND ? 0 : kv_head * (ROW_BYTES / MAP_ELEM_BYTES);
-            // (Lane 0 alone where a tile is one box per column: said so, the compiler keeps the
-            // lane's box offset, a multiply in every load_tile, NVFP4 at least.)
             auto copy_boxes = [&](unsigned char* tile, const splitkv::TensorMap* map, unsigned long long* bar) {
                 if (ROW_BOXES == 1) splitkv::mbarrier_arrive_expect_tx(bar, TILE * ROW_BYTES);
 #pragma unroll
                 for (int b = 0; b < ROW_BYTES / BOX_BYTES; ++b)
-                    splitkv::tensor_copy_2d_to_smem(tile + b * TILE * BOX_BYTES + (ROW_BOXES > 1 ? lane : 0) * BOX_ROWS * BOX_BYTES, map,
+                    splitkv::tensor_copy_2d_to_smem(tile + b * TILE * BOX_BYTES + lane * BOX_ROWS * BOX_BYTES, map,
                                                     col + b * BOX_ELEMS, row, bar);
             };
             copy_boxes(k_tile, k_map, bars);

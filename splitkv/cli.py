@@ -4,6 +4,7 @@
                 [--emit DIR] [--list] [--jobs N]
     splitkv-gen --arch sm90 --tune [--head-dim ..] [--dtype ..] [--trials N] [--timeout S]
                 [--storage URL] [--study NAME] [--devices 0,1] [--report DIR] [--out DIR]
+    splitkv-gen --arch sm90 --tune --remeasure [--head-dim ..] [--bucket ..] [--iters N] [--out DIR]
     splitkv-gen bench [ARGS...]          # forwarded to `python -m splitkv.bench`
 
 Heavy imports (the code generator, CuPy, the benchmark) happen inside the functions that need them,
@@ -322,6 +323,8 @@ def _main(argv) -> int:
     for page_size in page_sizes:
         if page_size not in (0, *PAGE_SIZES):
             parser.error(f"--page-size: {page_size} is not supported; choose 0 (contiguous) or one of {list(PAGE_SIZES)}")
+    if args.remeasure and not args.tune:
+        parser.error("--remeasure goes with --tune: splitkv-gen --arch sm90 --tune --remeasure")
     if args.tune:
         from splitkv.autotune import cli as tune_cli
 

@@ -110,6 +110,23 @@ def test_an_entry_that_fails_its_check_is_kept_as_it_was(tmp_path, capsys, monke
     assert new[(KEY, "b1-l2k")].date == new[(OTHER_KEY, "b1-l2k")].date == writing.today()
 
 
+def test_a_lost_gpu_stops_the_run_and_keeps_what_was_measured(tmp_path, capsys, monkeypatch):
+    """A lost context at KEY's second entry: status 75, the entries measured before it written
+    (KEY's first one too, though its key was not finished), the rest as they were."""
+    class Lost(costmodel.CostModelObjective):
+        def measure(self, spec, iters=None):
+            if self.bucket.name == "b1-l32k":
+                raise objective.ContextLost("an illegal address")
+            return super().measure(spec, iters)
+    monkeypatch.setattr(costmodel, "CostModelObjective", Lost)
+    out, path, old = _table(tmp_path)
+    assert cli.main([*ARGV, "--out", str(out)]) == 75
+    assert "an illegal address" in capsys.readouterr().err
+    new = {(e.key, e.bucket.name): e for e in tables.load(path).entries}
+    assert new[(KEY, "b1-l32k")] == old[(KEY, "b1-l32k")]
+    assert new[(KEY, "b1-l2k")].date == new[(OTHER_KEY, "b1-l2k")].date == writing.today()
+
+
 def test_the_unit_costs_are_measured_again_against_the_priors(tmp_path, capsys, monkeypatch):
     """--unit-costs: the table's costs and the priors measured in alternating rounds, their new
     figures written under the table's header, the entries left as they were."""

@@ -72,6 +72,11 @@ def add_arguments(p) -> None:
                    help="tune the work-unit planner's costs for this GPU (unit overhead, merge costs, split "
                         "threshold) on ragged batches, instead of the kernel keys; --trials counts the distinct "
                         "plans measured; writes the table's unit_costs")
+    g.add_argument("--remeasure", action="store_true",
+                   help="measure the table's entries again (each tuned spec and the built-in choice, as the tuner "
+                        "confirms a winner) and write their new figures, keeping every choice; --head-dim, --group, "
+                        "--dtype, --page-size and --bucket select entries; without them the unit_costs are measured "
+                        "too, and with --unit-costs alone")
     g.add_argument("--cost-model", action="store_true",
                    help="score candidates with the cost model instead of the GPU (a dry run: figures are "
                         "predictions, and no table is written unless --out is given)")
@@ -106,6 +111,8 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     tune = run_description(args, parser, arch, head_dims, group_sizes, kv_dtypes, page_sizes)
     if args.report_from is not None and (args.report is None or args.storage is None):
         parser.error("--report-from: give the --report DIR to write and the --storage the run used")
+    if args.remeasure:
+        return _remeasure(args, parser, tune, head_dims, group_sizes, kv_dtypes)
     devices = _devices(parser, args.devices)
     several = bool(devices) and (len(devices) > 1 or devices[0] != 0)
     if several and not args.storage:
@@ -195,6 +202,27 @@ def _report_from(tune: TuneRun, table_file) -> int:
     written = report.write(tune.report, outcomes, table.header, {})
     print(f"wrote the report of {len(outcomes)} entries to {written}", file=sys.stderr)
     return 0
+
+
+def _remeasure(args, parser, tune: TuneRun, head_dims, group_sizes, kv_dtypes) -> int:
+    """--remeasure: the table's figures measured again (`remeasure`); the search's flags are refused."""
+    from . import remeasure
+
+    selectors = (("--bucket", bool(args.buckets)), ("--head-dim", bool(head_dims)), ("--group", bool(group_sizes)),
+                 ("--dtype", bool(kv_dtypes)), ("--page-size", bool(args.page_sizes)))
+    for flag, given in (("--devices", args.devices is not None), ("--storage", bool(args.storage)),
+                        ("--study", bool(args.study)), ("--timeout", args.timeout is not None),
+                        ("--exhaustive", args.exhaustive), ("--report-from", args.report_from is not None),
+                        *((f"{f} with --unit-costs", g and args.unit_costs) for f, g in selectors)):
+        if given:
+            parser.error(f"{flag} does not go with --remeasure (it measures the table's own entries again)")
+    gpu = _check_gpu(tune.arch, tune.cost_model)
+    if isinstance(gpu, int):
+        return gpu
+    selection = remeasure.Selection(
+        head_dims, group_sizes, kv_dtypes, None if args.page_sizes is None else tuple(p for g in args.page_sizes for p in g),
+        args.kv_layout, None if not args.buckets else tuple(b.name for b in tune.buckets))
+    return remeasure.run(tune, gpu, selection, unit_costs_only=bool(args.unit_costs))
 
 
 def _devices(parser, text):

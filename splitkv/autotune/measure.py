@@ -139,6 +139,8 @@ class GpuObjective(Objective):
                 split, dense, _ = lookup.programs(spec, self.arch, k)
             attn = DecodeAttention(*heads, q_dtype=k.q_dtype, kv_dtype=k.kv_dtype, spec=split, dense_spec=dense,
                                    **paging)
+            if self.served is not None and self.served.spec == spec:  # by its entry's rules, as served
+                attn.tuned_entry = self.served
         attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
         return attn
 

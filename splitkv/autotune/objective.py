@@ -39,6 +39,10 @@ class Objective:
     name = "objective"
     #: Programs compiled at a time.
     jobs = 1
+    #: A table entry measured again (`splitkv.autotune.remeasure`): its spec is planned as the
+    #: runtime plans that entry (by the entry's ``planner`` rules); None: the tuner's candidates,
+    #: planned by the current rules. An objective that plans nothing ignores it.
+    served = None
 
     def programs(self, spec) -> list:
         """What must be compiled before ``spec`` is measured: none for an objective that compiles nothing."""

@@ -142,28 +142,46 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     # Every candidate that launched the best plans launches the same on the workloads; on other
     # batches they may differ, so the one nearest the priors is kept (the least change measured).
     chosen = min(launchers[best], key=_distance_from_priors)
-    # Alternating rounds: the best candidate and the priors, each in both positions.
-    rounds = {"best": [], "prior": []}
     try:
-        for r in range(CONFIRM_ROUNDS):
-            for which in (("best", "prior") if r % 2 == 0 else ("prior", "best")):
-                rounds[which].append(measure(chosen if which == "best" else PRIOR_COSTS, 2))
+        best_us, prior_us, per = against_priors(measure, chosen)
     except ContextLost:
         raise
     except TrialFailed as e:
-        if which == "prior":
+        if e.priors_failed:
             raise RuntimeError(f"the built-in unit costs' plans failed their check when measured again: {e}") from e
         _say(log, f"the best candidate failed its check when measured again ({e}): keeping the built-in costs")
         return _priors_kept(known[prior_plans], measured)
-    best_us = float(np.median([m[0] for m in rounds["best"]]))
-    prior_us = float(np.median([m[0] for m in rounds["prior"]]))
-    per = {name: (float(np.median([m[1][name] for m in rounds["best"]])),
-                  float(np.median([m[1][name] for m in rounds["prior"]]))) for name in rounds["best"][0][1]}
     if best_us <= prior_us * (1 - MARGIN):
         return Outcome(chosen, best_us, prior_us, measured, per)
     _say(log, f"the best candidate ({best_us:.2f} µs) is not {MARGIN:.0%} faster than the built-in costs "
               f"({prior_us:.2f} µs) when measured again: keeping the built-in costs")
     return Outcome(PRIOR_COSTS, prior_us, prior_us, measured, {name: (p, p) for name, (_, p) in per.items()})
+
+
+def against_priors(measure, costs: CostModel) -> tuple[float, float, dict]:
+    """``costs`` and the priors measured again in `CONFIRM_ROUNDS` rounds of alternating order (each
+    in both positions, twice the calls): (median µs of ``costs``, of the priors, {workload: (µs of
+    ``costs``, of the priors)}), medians of the rounds' geometric means and of each workload's
+    figures. ``costs`` that are the priors are measured once a round, standing for both. A check
+    that fails raises its `TrialFailed` with ``priors_failed`` saying whose it was."""
+    from .objective import TrialFailed
+
+    rounds = {"best": [], "prior": []}
+    order = ("prior",) if costs == PRIOR_COSTS else ("best", "prior")
+    for r in range(CONFIRM_ROUNDS):
+        for which in order[::-1 if r % 2 else 1]:
+            try:
+                rounds[which].append(measure(costs if which == "best" else PRIOR_COSTS, 2))
+            except TrialFailed as e:  # (a lost context too: it ends whatever measures next)
+                e.priors_failed = which == "prior"
+                raise
+    if costs == PRIOR_COSTS:
+        rounds["best"] = rounds["prior"]
+    best_us = float(np.median([m[0] for m in rounds["best"]]))
+    prior_us = float(np.median([m[0] for m in rounds["prior"]]))
+    per = {name: (float(np.median([m[1][name] for m in rounds["best"]])),
+                  float(np.median([m[1][name] for m in rounds["prior"]]))) for name in rounds["best"][0][1]}
+    return best_us, prior_us, per
 
 
 def _priors_kept(figures: tuple, measured: int) -> Outcome:

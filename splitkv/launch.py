@@ -293,12 +293,17 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple, tuple]:
     block scales (addresses), then whether each scale has one value per K/V head (zeros for 16-bit
     K/V); and k's shape (a quantized cache's values'). This runs on every run()."""
     cls = type(q)
-    if type(k) is cls and type(v) is cls and type(out) is cls and (lse is None or type(lse) is cls):
+    if type(out) is cls and (lse is None or type(lse) is cls):
         kind = _kinds.get(cls)
-        if kind == _TORCH:
-            return _read_torch(q, k, v, out, lse)
-        if kind == _CUPY:
-            return _read_cupy(q, k, v, out, lse)
+        if type(k) is cls and type(v) is cls:
+            if kind == _TORCH:
+                return _read_torch(q, k, v, out, lse)
+            if kind == _CUPY:
+                return _read_cupy(q, k, v, out, lse)
+        elif type(k) is QuantizedKV and type(v) is QuantizedKV and (kind == _TORCH or kind == _CUPY):
+            read = _read_quantized(q, k, v, out, lse, cls, _torch_part if kind == _TORCH else _cupy_part)
+            if read is not None:
+                return read
     layout, pointers, quantized = [], [], []
     known = True
     for x in (q, k, v, out, lse):
@@ -347,6 +352,43 @@ def _read_torch(q, k, v, out, lse) -> tuple:
     return layout, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr), _NO_QUANTIZED, k_shape
 
 
+def _read_quantized(q, k, v, out, lse, cls, part) -> tuple | None:
+    """`read_arrays` of arrays of type ``cls`` (torch or CuPy; ``part`` reads one of them) with K
+    and V quantized caches of that type (None where a part of a cache is of another kind: the
+    generic loop reads those). A call per array, which still costs less than the loop's dispatch
+    on each array's kind."""
+    q_entry, q_ptr = part(q)
+    out_entry, out_ptr = part(out)
+    lse_entry, lse_ptr = ((), 0) if lse is None else part(lse)
+    caches = []
+    for cache in (k, v):
+        values, blocks, scale = cache.values, cache.block_scales, cache.scale
+        if type(values) is not cls or type(scale) is not cls or (blocks is not None and type(blocks) is not cls):
+            return None
+        values_entry, values_ptr = part(values)
+        blocks_entry, blocks_ptr = ((), 0) if blocks is None else part(blocks)
+        scale_entry, scale_ptr = part(scale)
+        caches.append(((cache.kv_dtype, values_entry, blocks_entry, scale_entry), values_ptr, scale_ptr,
+                       blocks_ptr, int(scale.shape[0] > 1)))
+    (k_entry, k_ptr, k_scale, k_blocks, k_per_head), (v_entry, v_ptr, v_scale, v_blocks, v_per_head) = caches
+    return ((q_entry, k_entry, v_entry, out_entry, lse_entry), (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr),
+            (k_scale, v_scale, k_blocks, v_blocks, k_per_head, v_per_head), k.values.shape)
+
+
+def _torch_part(x) -> tuple:
+    """(layout entry, device address) of one torch tensor."""
+    ptr = x.data_ptr()
+    return (x.shape, x.stride(), x.dtype, x.get_device(), ptr & _ALIGN_MASK), ptr
+
+
+def _cupy_part(x) -> tuple:
+    """(layout entry, device address) of one CuPy array: its entry starts with its kind, since a
+    torch entry's fields compare equal to a CuPy one's; the memory pointer gives its device."""
+    memory = x.data
+    ptr = memory.ptr
+    return (_CUPY, x.shape, x.strides, x.dtype, memory.device_id, ptr & _ALIGN_MASK), ptr
+
+
 def _read_cupy(q, k, v, out, lse) -> tuple:
     """`_read_torch` for CuPy arrays: each array's memory pointer gives its address and device."""
     qm, km, vm, om = q.data, k.data, v.data, out.data
@@ -370,12 +412,9 @@ def _read(x) -> tuple:
     """(layout entry or None, device address) of one array (not a quantized cache) of any kind."""
     kind = _kind(type(x))
     if kind == _TORCH:
-        ptr = x.data_ptr()
-        return (x.shape, x.stride(), x.dtype, x.get_device(), ptr & _ALIGN_MASK), ptr
-    if kind == _CUPY:  # its entry starts with its kind: a torch entry's fields compare equal to a CuPy one's
-        memory = x.data
-        ptr = memory.ptr
-        return (_CUPY, x.shape, x.strides, x.dtype, memory.device_id, ptr & _ALIGN_MASK), ptr
+        return _torch_part(x)
+    if kind == _CUPY:
+        return _cupy_part(x)
     if kind == _NONE:
         return (), 0
     from . import tensors

@@ -1,7 +1,7 @@
 """`splitkv-gen --tune --remeasure` without a GPU: a table's entries measured again with the cost
 model (new figures and date, spec and choice kept, entries outside the selection left as they
-were), a tuned spec now slower than the built-in choice flagged with the command that tunes it
-again, an entry that fails its check kept as it was, the unit costs measured again against the
+were), a tuned spec no longer the margin faster than the built-in choice giving way to it and
+flagged with the command that tunes it again, an entry that fails its check kept as it was, the unit costs measured again against the
 priors, and what it refuses."""
 
 from __future__ import annotations
@@ -74,22 +74,41 @@ def test_the_selected_entries_get_new_figures_and_keep_their_choice(tmp_path, ca
     assert "new tuned" in (tmp_path / "rep" / "remeasure.md").read_text()
 
 
-def test_a_tuned_spec_now_slower_than_the_default_is_flagged_not_changed(tmp_path, capsys):
+def test_a_tuned_spec_now_slower_than_the_default_gives_way_to_it(tmp_path, capsys):
     """TUNED_SPLIT at 1 x 2k: more than the confirm margin slower than the built-in choice there,
-    so the entry is flagged with the command that tunes its key again; its spec stays."""
+    so the entry now holds the built-in choice with its figures, and is flagged with the command
+    that tunes its key again; the summary and the report keep the tuned spec's measured figures."""
     out, path, _ = _table(tmp_path)
-    assert _predicted(TUNED_SPLIT, KEY, "b1-l2k") > _predicted(None, KEY, "b1-l2k") * 1.01  # the premise
-    writing.save(path, tables.load(path).header, [entry("b1-l2k", TUNED_SPLIT)])
-    assert cli.main([*ARGV, "--bucket", "b1-l2k", "--head-dim", "128", "--out", str(out)]) == 0
+    tuned, built_in = _predicted(TUNED_SPLIT, KEY, "b1-l2k"), _predicted(None, KEY, "b1-l2k")
+    assert tuned > built_in * 1.01  # the premise
+    writing.save(path, tables.load(path).header, [entry("b1-l2k", TUNED_SPLIT, bandwidth_pct=50.0)])
+    assert cli.main([*ARGV, "--bucket", "b1-l2k", "--head-dim", "128", "--out", str(out),
+                     "--report", str(tmp_path / "rep")]) == 0
     stdout = capsys.readouterr().out
     assert "FLAGGED" in stdout and f"flagged: {KEY.label} b1-l2k: {TUNED_SPLIT.name}" in stdout
+    assert "slower than the built-in choice; the built-in choice takes its place" in stdout
+    assert f"{tuned:.2f}" in stdout  # the tuned spec's figure, not only the one written
     assert (f"splitkv-gen --arch sm90 --tune --head-dim 128 --group 4 --dtype bf16 --bucket b1-l2k "
             f"--out {out} --cost-model") in stdout
     e = next(e for e in tables.load(path).entries if (e.key, e.bucket.name) == (KEY, "b1-l2k"))
-    assert e.spec == TUNED_SPLIT and e.tuned_us > e.default_us
+    assert e.spec is None and e.tuned_us == e.default_us == built_in and e.default_plan is None
+    assert e.planner == tables.CURRENT_PLANNER and e.date == writing.today()
+    report = json.loads((tmp_path / "rep" / "remeasure.json").read_text())
+    assert report["entries"][0]["measured"]["tuned_us"] == tuned and report["entries"][0]["new"]["spec"] is None
     # Only the bucket asked for was measured again.
     e32 = next(e for e in tables.load(path).entries if e.bucket.name == "b1-l32k")
     assert (e32.tuned_us, e32.default_us, e32.date) == (1.0, 2.0, "2026-01-02")
+
+
+def test_the_built_in_choice_takes_a_tuned_entrys_place_with_its_own_figures():
+    """`built_in_instead`: the built-in choice's µs and plan, its bandwidth from the same bytes in
+    its time; the search's record (trials, exhaustive) and the date stay."""
+    tuned = entry("b1-l32k", TUNED_SPLIT, tuned_us=10.0, default_us=10.05, bandwidth_pct=60.3, trials=20,
+                  planner="waves", plan="tuned plan", default_plan="built-in plan", exhaustive=dict(points=3))
+    e = remeasure.built_in_instead(tuned)
+    assert e.spec is None and e.tuned_us == e.default_us == 10.05 and e.plan == "built-in plan"
+    assert e.default_plan is None and e.planner == tables.CURRENT_PLANNER
+    assert e.bandwidth_pct == pytest.approx(60.0) and e.trials == 20 and e.exhaustive == dict(points=3)
 
 
 def test_an_entry_that_fails_its_check_is_kept_as_it_was(tmp_path, capsys, monkeypatch):

@@ -58,3 +58,39 @@ def test_torch_tensors_read_spelled_out_give_the_generic_loops_layout(with_lse):
     # The layout names what validation depends on: another stride or dtype is another layout.
     assert read_arrays(q, k, v.transpose(1, 2), out, lse)[0] != fast[0]
     assert read_arrays(q, k, v, out.float(), lse)[0] != fast[0]
+
+
+@pytest.mark.parametrize("kv_dtype, per_head", [("fp8_e4m3", False), ("fp8_e4m3", True), ("nvfp4", False)])
+def test_quantized_caches_of_torch_tensors_read_spelled_out_give_the_generic_loops_layout(kv_dtype, per_head):
+    torch = pytest.importorskip("torch")
+    from splitkv.quantized_kv import QuantizedKV
+
+    width = 64 if kv_dtype == "nvfp4" else 128
+
+    def cache():
+        blocks = torch.zeros(2, 64, 2, 8, dtype=torch.uint8) if kv_dtype == "nvfp4" else None
+        return QuantizedKV(kv_dtype, torch.zeros(2, 64, 2, width, dtype=torch.uint8), blocks,
+                           torch.ones(2 if per_head else 1))
+
+    q, out = torch.zeros(2, 8, 128, dtype=torch.bfloat16), torch.empty(2, 8, 128, dtype=torch.bfloat16)
+    k, v = cache(), cache()
+    fast = read_arrays(q, k, v, out, None)
+    # An out of another torch type takes the generic loop: each array read by its kind.
+    generic = read_arrays(q, k, v, torch.nn.Parameter(out, requires_grad=False), None)
+    assert fast == generic
+    assert fast[1][1] == k.values.data_ptr() and fast[3] == k.values.shape
+    assert fast[2][:2] == (k.scale.data_ptr(), v.scale.data_ptr()) and fast[2][4:] == (int(per_head),) * 2
+    if kv_dtype == "nvfp4":
+        assert fast[2][2:4] == (k.block_scales.data_ptr(), v.block_scales.data_ptr())
+
+
+def test_a_quantized_cache_with_a_part_of_another_kind_has_no_layout_to_reuse():
+    torch = pytest.importorskip("torch")
+    from splitkv.quantized_kv import QuantizedKV
+
+    from tests.test_inputs import FakeCAI
+
+    q, out = torch.zeros(2, 8, 128, dtype=torch.bfloat16), torch.empty(2, 8, 128, dtype=torch.bfloat16)
+    k = QuantizedKV("fp8_e4m3", torch.zeros(2, 64, 2, 128, dtype=torch.uint8), None, FakeCAI((1,), "<f4"))
+    layout, pointers, quantized, _ = read_arrays(q, k, k, out, None)
+    assert layout is None and pointers[1] == k.values.data_ptr() and quantized[0] == FakeCAI((1,), "<f4").__cuda_array_interface__["data"][0]

@@ -9,9 +9,10 @@ of alternating order, twice the calls), each checked against the reference first
 spec planned as the runtime plans its entry (`Objective.served`) and checked once more on a ragged
 batch (`Objective.verify`). The entry keeps its spec and choice and takes the new figures and
 today's date; the table is written after each key (`writing.save`: merged, atomic), so entries
-not measured again, and those measured before a run stopped, are never lost. An entry whose tuned
-spec is now more than `confirm.MARGIN` slower than the built-in choice is flagged, not changed: the
-summary gives the command that tunes its key again. Without entry selectors the table's
+not measured again, and those measured before a run stopped, are never lost. A tuned spec that no
+longer beats the built-in choice by `confirm.MARGIN` (the rule a search's winner meets), or fails
+the ragged check, gives way to the built-in choice (`built_in_instead`), and the summary gives the
+command that tunes its key again: a table measured again obeys the rules of a table tuned. Without entry selectors the table's
 ``unit_costs`` are measured again too (`unit_costs.against_priors`); ``--unit-costs`` measures
 them alone.
 """
@@ -70,6 +71,12 @@ class Result:
     new: Entry | None = None
     reason: str | None = None
     flag: str | None = None
+    measured: Entry | None = None  # a flagged entry's figures as measured, before the built-in choice took its place
+
+    @property
+    def figures(self) -> Entry | None:
+        """The entry's measured figures (a flagged one's tuned spec's, not those written)."""
+        return self.measured or self.new
 
 
 class Refused(Exception):
@@ -202,9 +209,21 @@ def remeasure_entry(lazy, entry: Entry, iters: int) -> Result:
     flag = None
     if problem:
         flag = f"failed its check on a ragged batch: {problem}"
-    elif spec is not None and new.tuned_us > new.default_us * (1 + MARGIN):
-        flag = f"{new.tuned_us / new.default_us - 1:.1%} slower than the built-in choice"
-    return Result(entry, new, flag=flag)
+    elif spec is not None and new.tuned_us > new.default_us * (1 - MARGIN):
+        change = new.tuned_us / new.default_us - 1
+        flag = f"{abs(change):.1%} {'slower' if change > 0 else 'faster'} than the built-in choice"
+    if flag is not None:
+        return Result(entry, built_in_instead(new), flag=flag + "; the built-in choice takes its place", measured=new)
+    return Result(entry, new)
+
+
+def built_in_instead(entry: Entry) -> Entry:
+    """``entry`` (a tuned one, its figures measured) holding the built-in choice instead, with the
+    built-in choice's figures: its µs, its bandwidth (the same bytes in its time) and its plan."""
+    bandwidth = (None if entry.bandwidth_pct is None
+                 else entry.bandwidth_pct * entry.tuned_us / entry.default_us)
+    return dataclasses.replace(entry, spec=None, tuned_us=entry.default_us, bandwidth_pct=bandwidth,
+                               plan=entry.default_plan or entry.plan, default_plan=None, planner=CURRENT_PLANNER)
 
 
 def _planner(entry: Entry) -> str:
@@ -254,7 +273,7 @@ def summary(results, unit, tune: TuneRun, path: Path) -> str:
     head = ("key", "bucket", "program", "old default", "old tuned", "new default", "new tuned", "speedup", "flag")
     rows = [head]
     for r in results:
-        e, n = r.old, r.new
+        e, n = r.old, r.figures
         rows.append((e.key.label, e.bucket.name, "built-in" if e.spec is None else e.spec.name,
                      f"{e.default_us:.2f}", f"{e.tuned_us:.2f}", "-" if n is None else f"{n.default_us:.2f}",
                      "-" if n is None else f"{n.tuned_us:.2f}", "-" if n is None else f"{n.speedup:.3f}x",
@@ -279,8 +298,8 @@ def summary(results, unit, tune: TuneRun, path: Path) -> str:
             lines.append(f"flagged: {r.old.key.label} {r.old.bucket.name}: {r.old.spec.name} {r.flag}")
             flagged.setdefault(r.old.key, []).append(r.old.bucket.name)
     if flagged:
-        lines.append(f"The flagged entries keep their spec; tune their keys again (--tune keeps a tuned spec only "
-                     f"when {MARGIN:.0%} faster than the built-in choice):")
+        lines.append(f"The flagged entries now hold the built-in choice (a tuned spec stays only when {MARGIN:.0%} "
+                     f"faster than it); tune their keys again to look for another winner:")
         lines += [f"  {retune_command(tune, key, buckets)}" for key, buckets in flagged.items()]
     if unit is not None and unit[1] is not None and unit[2]:
         lines.append(f"flagged: unit_costs {unit[2]}; tune them again: splitkv-gen --arch "
@@ -303,6 +322,7 @@ def write_report(directory: Path, results, unit, text: str, table_header: dict) 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     data = dict(header=table_header, entries=[dict(old=r.old.to_dict(), new=None if r.new is None else r.new.to_dict(),
+                                                   measured=None if r.measured is None else r.measured.to_dict(),
                                                    reason=r.reason, flag=r.flag) for r in results])
     if unit is not None:
         data["unit_costs"] = dict(old=unit[0].to_dict(), new=None if unit[1] is None else unit[1].to_dict(),

@@ -211,6 +211,15 @@ def test_spelled_out_reads_of_cupy_and_torch_arrays_match_the_generic_loop():
         assert pointers[:2] == tuple(read_arrays(x, None, None, None, None)[1][0] for x in arrays[:2])
         assert quantized == (0,) * 6 and tuple(k_shape) == (2, 300, 2, 128)
     assert read_arrays(q, k, k[:, ::2], cupy.empty_like(q), None)[0] != read_arrays(*sets[1])[0]
+    # Quantized caches of CuPy arrays (FP8 with one scale per K/V head, NVFP4 with block scales).
+    fp8 = splitkv.QuantizedKV("fp8_e4m3", cupy.zeros((2, 300, 2, 128), cupy.uint8), None, cupy.ones(2, cupy.float32))
+    nvfp4 = splitkv.QuantizedKV("nvfp4", cupy.zeros((2, 300, 2, 64), cupy.uint8), cupy.zeros((2, 300, 2, 8), cupy.uint8),
+                                cupy.ones(1, cupy.float32))
+    for cache in (fp8, nvfp4):
+        arrays = (q, cache, cache, cupy.empty_like(q), None)
+        layout, pointers, quantized, k_shape = read_arrays(*arrays)
+        assert layout == per_array(arrays) and pointers[1] == cache.values.data.ptr
+        assert quantized == read_arrays(None, cache, cache, None, None)[2] and k_shape == cache.values.shape
 
 
 def test_lengths_may_grow_up_to_max_len():

@@ -20,7 +20,10 @@ done
 
 if wants tests; then
 echo "GPU tests -> $out/tests.log"
-if ! SPLITKV_REQUIRE_GPU=1 "$py" -m pytest -q -m gpu tests/gpu -p no:cacheprovider > "$out/tests.log" 2>&1; then
+# One process per core where pytest-xdist is there (the `test` extra): most of the suite is compiling.
+parallel=()
+"$py" -c "import xdist" 2>/dev/null && parallel=(-n auto --dist worksteal)
+if ! SPLITKV_REQUIRE_GPU=1 "$py" -m pytest -q -m gpu ${parallel[@]+"${parallel[@]}"} tests/gpu -p no:cacheprovider > "$out/tests.log" 2>&1; then
     grep -E "^FAILED|^ERROR|passed|failed" "$out/tests.log" | tail -20
     exit 1
 fi

@@ -306,7 +306,7 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple, tuple]:
                 return read
     layout, pointers, quantized = [], [], []
     known = True
-    for x in (q, k, v, out, lse):
+    for name, x in zip(_NAMES, (q, k, v, out, lse)):
         kind = _kinds.get(type(x))
         if kind is None:  # a type not seen before
             kind = _kind(type(x))
@@ -317,15 +317,15 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple, tuple]:
             ptr = 0
             layout.append(())
         elif kind == _QUANTIZED:  # its parts' layouts and its format; its scales' fields
-            values, ptr = _read(x.values)
-            blocks, blocks_ptr = _read(x.block_scales)
-            scale, scale_ptr = _read(x.scale)
+            values, ptr = _read(x.values, f"{name}.values")
+            blocks, blocks_ptr = _read(x.block_scales, f"{name}.block_scales")
+            scale, scale_ptr = _read(x.scale, f"{name}.scale")
             part_known = values is not None and blocks is not None and scale is not None
             known = known and part_known
             layout.append((x.kv_dtype, values, blocks, scale) if part_known else None)
             quantized.append((scale_ptr, blocks_ptr, int(_length(x.scale) > 1)))
         else:
-            entry, ptr = _read(x)
+            entry, ptr = _read(x, name)
             known = known and entry is not None
             layout.append(entry)
         pointers.append(ptr)
@@ -408,8 +408,9 @@ def _read_cupy(q, k, v, out, lse) -> tuple:
     return layout, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr), _NO_QUANTIZED, k_shape
 
 
-def _read(x) -> tuple:
-    """(layout entry or None, device address) of one array (not a quantized cache) of any kind."""
+def _read(x, name: str) -> tuple:
+    """(layout entry or None, device address) of one array (not a quantized cache) of any kind;
+    ``name`` is what an error about it calls it."""
     kind = _kind(type(x))
     if kind == _TORCH:
         return _torch_part(x)
@@ -419,7 +420,7 @@ def _read(x) -> tuple:
         return (), 0
     from . import tensors
 
-    return None, tensors.describe(x, "array").ptr
+    return None, tensors.describe(x, name).ptr
 
 
 def _length(x) -> int:

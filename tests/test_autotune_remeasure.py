@@ -183,6 +183,70 @@ def test_the_unit_costs_are_measured_again_against_the_priors(tmp_path, capsys, 
     assert "unit_costs" in capsys.readouterr().out
 
 
+def test_unit_costs_no_longer_the_margin_faster_give_way_to_the_priors(tmp_path, capsys, monkeypatch):
+    """Tuned unit costs measured within 1% of the priors: the priors take their place (as a search
+    keeps them), with the priors' figure, flagged with the command that tunes them again."""
+    from splitkv.autotune import cli as tune_cli
+
+    costs = CostModel(unit_overhead=192, merge_fixed=640, merge_per_partial=24, threshold=0.05)
+
+    class StandIn:
+        def __init__(self, iters, seed):
+            pass
+
+        def __call__(self, c, iters_scale=1):
+            us = 32.9 if c == costs else 33.0
+            return us, {name: us for name, _ in unit_costs.WORKLOADS}
+
+        def close(self):
+            pass
+    monkeypatch.setattr(unit_costs, "GpuMeasure", StandIn)
+    monkeypatch.setattr(tune_cli, "_check_gpu", lambda arch, cost_model: dict(
+        name=GPU, sm_count=132, cuda_runtime="13.9", nvrtc="13.9"))
+    path = save_table(tmp_path, [entry("b1-l2k")])
+    writing.save(path, tables.load(path).header, [], unit_costs=tables.UnitCosts(
+        costs, 10.0, 11.0, 9, "2026-01-02", ("1 x 6096",)))
+    assert cli.main(["--arch", "sm90", "--tune", "--remeasure", "--unit-costs", "--out", str(tmp_path)]) == 0
+    u = tables.load(path).unit_costs
+    assert (u.costs, u.tuned_us, u.default_us) == (PRIOR_COSTS, 33.0, 33.0)
+    stdout = capsys.readouterr().out
+    assert "flagged: unit_costs 0.3% faster than the built-in costs; the built-in costs take their place" in stdout
+    assert "--tune --unit-costs" in stdout
+
+
+def test_a_tuned_spec_that_launches_the_built_in_programs_gives_way_to_them(tmp_path, capsys):
+    """A tuned spec that now launches what the built-in choice launches is the built-in choice
+    measured twice (as a search counts it): the entry holds the built-in choice, flagged."""
+    from splitkv.tuned import lookup
+
+    out, path, _ = _table(tmp_path)
+    built_in_split = lookup.programs(None, "sm_90", KEY)[0]
+    writing.save(path, tables.load(path).header, [entry("b1-l2k", built_in_split, tuned_us=1.0, default_us=2.0)])
+    assert cli.main([*ARGV, "--bucket", "b1-l2k", "--head-dim", "128", "--out", str(out)]) == 0
+    assert "launches what the built-in choice launches; the built-in choice takes its place" in capsys.readouterr().out
+    e = next(e for e in tables.load(path).entries if (e.key, e.bucket.name) == (KEY, "b1-l2k"))
+    assert e.spec is None and e.tuned_us == e.default_us
+
+
+def test_the_margin_is_judged_on_the_figures_as_the_table_records_them():
+    from splitkv.autotune.confirm import beats_built_in
+
+    # 10.0606 is 1% below 10.1623 unrounded, but the table records 10.061 and 10.162: not kept.
+    assert 10.0606 <= 10.1623 * 0.99 and not beats_built_in(10.0606, 10.1623)
+    assert beats_built_in(10.0, 10.2) and not beats_built_in(10.2, 10.0)
+
+
+def test_a_built_in_choice_failing_while_confirmed_is_named_as_the_one_that_failed(tmp_path, capsys, monkeypatch):
+    """confirm() raises only for the built-in choice (a failing candidate is left out): the reason
+    names the built-in choice, not the entry's tuned spec."""
+    def failing_confirm(measured, candidates, iters=None):
+        raise objective.TrialFailed("wrong result: max error 0.5 of max |ref|")
+    monkeypatch.setattr(remeasure, "confirm", failing_confirm)
+    out, path, _ = _table(tmp_path)
+    assert cli.main([*ARGV, "--bucket", "b1-l32k", "--head-dim", "128", "--out", str(out)]) == 1
+    assert f"{KEY.label} b1-l32k: the built-in choice failed: wrong result" in capsys.readouterr().out
+
+
 def test_costs_that_are_the_priors_are_measured_once_a_round():
     asked = []
 

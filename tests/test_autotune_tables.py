@@ -288,8 +288,9 @@ def test_the_shipped_h200_table():
                 split, dense, _ = lookup.programs(None, "sm_90", e.key)
                 builtin = {dense.name} | {split.replace(cluster=c).name for c in (1, 2, 4, 8, 16)}
                 assert e.plan.rsplit("; ", 1)[-1] not in builtin, (e.key.label, e.bucket.name, e.plan)
-        if e.exhaustive:
-            chosen = e.exhaustive["tuned_spec_us" if e.spec else "builtin_spec_us"]
-            assert chosen <= e.exhaustive["best_us"] * 1.03 and e.exhaustive["trials_to_within_3pct"] <= e.trials
+        if e.exhaustive:  # the search's own winner (a re-measure may have put the built-in choice back since)
+            ex = e.exhaustive
+            chosen = ex["tuned_spec_us"] if ex.get("tuned_spec_us") is not None else ex["builtin_spec_us"]
+            assert chosen <= ex["best_us"] * 1.03 and ex["trials_to_within_3pct"] <= e.trials
     assert sum(bool(e.exhaustive) for e in table.entries) >= 4
     assert writing.dump(table) == path.read_text()  # written by writing.save: sorted, nothing hand-edited

@@ -94,3 +94,11 @@ def test_a_quantized_cache_with_a_part_of_another_kind_has_no_layout_to_reuse():
     k = QuantizedKV("fp8_e4m3", torch.zeros(2, 64, 2, 128, dtype=torch.uint8), None, FakeCAI((1,), "<f4"))
     layout, pointers, quantized, _ = read_arrays(q, k, k, out, None)
     assert layout is None and pointers[1] == k.values.data_ptr() and quantized[0] == FakeCAI((1,), "<f4").__cuda_array_interface__["data"][0]
+
+
+def test_an_array_of_no_known_kind_is_named_in_the_error():
+    torch = pytest.importorskip("torch")
+
+    q = torch.zeros(2, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises((TypeError, ValueError), match="^out"):
+        read_arrays(q, q, q, object(), None)

@@ -29,7 +29,7 @@ from pathlib import Path
 from ..tuned import lookup, tables
 from ..tuned.keys import TuneKey
 from ..tuned.tables import CURRENT_PLANNER, Entry
-from .confirm import MARGIN, confirm
+from .confirm import MARGIN, beats_built_in, confirm
 from .objective import ContextLost, TrialFailed
 from .tuning import EXIT_CONTEXT_LOST, TuneRun, compile_jobs, header, progress_bar
 from .writing import save, today
@@ -188,11 +188,13 @@ def remeasure_entry(lazy, entry: Entry, iters: int) -> Result:
         objective.served = entry
         for failing in [*candidates, None]:  # checked first, with the reason kept when one fails
             objective.measure(failing)
+        failing = None  # confirm raises only for the built-in choice; a failing candidate is left out
+        figures = confirm(objective, candidates, iters=iters)
         failing = spec
-        figures = confirm(objective, candidates, iters=iters)  # (the built-in choice failing raises)
         if spec is not None and spec.name not in figures:
             raise TrialFailed("it failed when measured again")
         problem = None if spec is None else objective.verify(spec)
+        same_launch = spec is not None and objective.runs(spec) == objective.runs(None)
         failing = None
         default_plan = None if spec is None else objective.runs(None)
     except ContextLost:
@@ -209,7 +211,9 @@ def remeasure_entry(lazy, entry: Entry, iters: int) -> Result:
     flag = None
     if problem:
         flag = f"failed its check on a ragged batch: {problem}"
-    elif spec is not None and new.tuned_us > new.default_us * (1 - MARGIN):
+    elif same_launch:  # as a search counts it: the built-in choice measured twice
+        flag = "launches what the built-in choice launches"
+    elif spec is not None and not beats_built_in(new.tuned_us, new.default_us):
         change = new.tuned_us / new.default_us - 1
         flag = f"{abs(change):.1%} {'slower' if change > 0 else 'faster'} than the built-in choice"
     if flag is not None:
@@ -251,10 +255,15 @@ def remeasure_unit_costs(tune: TuneRun, old: tables.UnitCosts, path: Path | None
         measure.close()
     new = dataclasses.replace(old, tuned_us=tuned_us, default_us=default_us, date=today(),
                               workloads=tuple(name for name, _ in unit_costs.WORKLOADS))
+    note = None
+    if old.costs != _priors() and not beats_built_in(tuned_us, default_us):  # as `unit_costs.search` keeps them
+        change = tuned_us / default_us - 1
+        note = (f"{abs(change):.1%} {'slower' if change > 0 else 'faster'} than the built-in costs; the built-in "
+                f"costs take their place")
+        new = dataclasses.replace(new, costs=_priors(), tuned_us=default_us)
     if path is not None:
         save(path, tables.load(path).header, [], unit_costs=new)  # the header describes the entries' run
-    slower = new.tuned_us > new.default_us * (1 + MARGIN)
-    return old, new, f"{new.tuned_us / new.default_us - 1:.1%} slower than the built-in costs" if slower else None
+    return old, new, note
 
 
 def retune_command(tune: TuneRun, key: TuneKey, buckets) -> str:

@@ -102,7 +102,7 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
     when the GPU can run nothing more, which ends the search), ``plans(costs)`` a hashable
     description of what they launch. ``trials`` counts distinct launches measured."""
     from .objective import ContextLost, TrialFailed
-    from .confirm import MARGIN
+    from .confirm import MARGIN, beats_built_in
     from .studies import import_optuna
 
     optuna = import_optuna()
@@ -151,7 +151,7 @@ def search(measure, plans, *, trials: int, seed: int = 0, log=None) -> Outcome:
             raise RuntimeError(f"the built-in unit costs' plans failed their check when measured again: {e}") from e
         _say(log, f"the best candidate failed its check when measured again ({e}): keeping the built-in costs")
         return _priors_kept(known[prior_plans], measured)
-    if best_us <= prior_us * (1 - MARGIN):
+    if beats_built_in(best_us, prior_us):
         return Outcome(chosen, best_us, prior_us, measured, per)
     _say(log, f"the best candidate ({best_us:.2f} µs) is not {MARGIN:.0%} faster than the built-in costs "
               f"({prior_us:.2f} µs) when measured again: keeping the built-in costs")

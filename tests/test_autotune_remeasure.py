@@ -146,13 +146,14 @@ def test_a_lost_gpu_stops_the_run_and_keeps_what_was_measured(tmp_path, capsys, 
     assert new[(KEY, "b1-l2k")].date == new[(OTHER_KEY, "b1-l2k")].date == writing.today()
 
 
-def test_the_unit_costs_are_measured_again_against_the_priors(tmp_path, capsys, monkeypatch):
-    """--unit-costs: the table's costs and the priors measured in alternating rounds, their new
-    figures written under the table's header, the entries left as they were."""
-    from splitkv.autotune import cli as tune_cli
+#: Tuned unit costs of the tests below (not the priors).
+COSTS = CostModel(unit_overhead=192, merge_fixed=640, merge_per_partial=24, threshold=0.05)
 
-    costs = CostModel(unit_overhead=192, merge_fixed=640, merge_per_partial=24, threshold=0.05)
-    asked = []
+
+def _unit_costs_table(tmp_path, monkeypatch, tuned_us: float, prior_us: float, asked: list):
+    """A table holding COSTS, on a GPU whose measurement gives ``tuned_us`` for COSTS and
+    ``prior_us`` for any other costs (each call recorded in ``asked``)."""
+    from splitkv.autotune import cli as tune_cli
 
     class StandIn:
         def __init__(self, iters, seed):
@@ -160,7 +161,7 @@ def test_the_unit_costs_are_measured_again_against_the_priors(tmp_path, capsys, 
 
         def __call__(self, c, iters_scale=1):
             asked.append((c, iters_scale))
-            us = 30.0 if c == costs else 33.0
+            us = tuned_us if c == COSTS else prior_us
             return us, {name: us for name, _ in unit_costs.WORKLOADS}
 
         def close(self):
@@ -170,15 +171,23 @@ def test_the_unit_costs_are_measured_again_against_the_priors(tmp_path, capsys, 
         name=GPU, sm_count=132, cuda_runtime="13.9", nvrtc="13.9"))
     path = save_table(tmp_path, [entry("b1-l2k")])
     writing.save(path, tables.load(path).header, [], unit_costs=tables.UnitCosts(
-        costs, 10.0, 11.0, 9, "2026-01-02", ("1 x 6096",)))
+        COSTS, 10.0, 11.0, 9, "2026-01-02", ("1 x 6096",)))
+    return path
+
+
+def test_the_unit_costs_are_measured_again_against_the_priors(tmp_path, capsys, monkeypatch):
+    """--unit-costs: the table's costs and the priors measured in alternating rounds, their new
+    figures written under the table's header, the entries left as they were."""
+    asked = []
+    path = _unit_costs_table(tmp_path, monkeypatch, 30.0, 33.0, asked)
     before = tables.load(path)
     assert cli.main(["--arch", "sm90", "--tune", "--remeasure", "--unit-costs", "--out", str(tmp_path)]) == 0
     table = tables.load(path)
     assert table.header == before.header and table.entries == before.entries
     u = table.unit_costs
-    assert (u.costs, u.tuned_us, u.default_us, u.trials, u.date) == (costs, 30.0, 33.0, 9, writing.today())
+    assert (u.costs, u.tuned_us, u.default_us, u.trials, u.date) == (COSTS, 30.0, 33.0, 9, writing.today())
     assert u.workloads == tuple(name for name, _ in unit_costs.WORKLOADS)
-    assert [c == costs for c, _ in asked] == [True, False, False, True] * (unit_costs.CONFIRM_ROUNDS // 2)
+    assert [c == COSTS for c, _ in asked] == [True, False, False, True] * (unit_costs.CONFIRM_ROUNDS // 2)
     assert {scale for _, scale in asked} == {2}
     assert "unit_costs" in capsys.readouterr().out
 
@@ -186,26 +195,7 @@ def test_the_unit_costs_are_measured_again_against_the_priors(tmp_path, capsys, 
 def test_unit_costs_no_longer_the_margin_faster_give_way_to_the_priors(tmp_path, capsys, monkeypatch):
     """Tuned unit costs measured within 1% of the priors: the priors take their place (as a search
     keeps them), with the priors' figure, flagged with the command that tunes them again."""
-    from splitkv.autotune import cli as tune_cli
-
-    costs = CostModel(unit_overhead=192, merge_fixed=640, merge_per_partial=24, threshold=0.05)
-
-    class StandIn:
-        def __init__(self, iters, seed):
-            pass
-
-        def __call__(self, c, iters_scale=1):
-            us = 32.9 if c == costs else 33.0
-            return us, {name: us for name, _ in unit_costs.WORKLOADS}
-
-        def close(self):
-            pass
-    monkeypatch.setattr(unit_costs, "GpuMeasure", StandIn)
-    monkeypatch.setattr(tune_cli, "_check_gpu", lambda arch, cost_model: dict(
-        name=GPU, sm_count=132, cuda_runtime="13.9", nvrtc="13.9"))
-    path = save_table(tmp_path, [entry("b1-l2k")])
-    writing.save(path, tables.load(path).header, [], unit_costs=tables.UnitCosts(
-        costs, 10.0, 11.0, 9, "2026-01-02", ("1 x 6096",)))
+    path = _unit_costs_table(tmp_path, monkeypatch, 32.9, 33.0, [])
     assert cli.main(["--arch", "sm90", "--tune", "--remeasure", "--unit-costs", "--out", str(tmp_path)]) == 0
     u = tables.load(path).unit_costs
     assert (u.costs, u.tuned_us, u.default_us) == (PRIOR_COSTS, 33.0, 33.0)

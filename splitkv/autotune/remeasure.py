@@ -194,9 +194,10 @@ def remeasure_entry(lazy, entry: Entry, iters: int) -> Result:
         if spec is not None and spec.name not in figures:
             raise TrialFailed("it failed when measured again")
         problem = None if spec is None else objective.verify(spec)
-        same_launch = spec is not None and objective.runs(spec) == objective.runs(None)
         failing = None
         default_plan = None if spec is None else objective.runs(None)
+        failing = spec
+        same_launch = spec is not None and objective.runs(spec) == default_plan
     except ContextLost:
         raise
     except TrialFailed as e:

@@ -74,7 +74,8 @@ def add_arguments(p) -> None:
                         "plans measured; writes the table's unit_costs")
     g.add_argument("--remeasure", action="store_true",
                    help="measure the table's entries again (each tuned spec and the built-in choice, as the tuner "
-                        "confirms a winner) and write their new figures, keeping every choice; --head-dim, --group, "
+                        "confirms a winner) and write their new figures, keeping each choice that still wins by the "
+                        "confirm margin (the built-in choice takes the place of one that does not); --head-dim, --group, "
                         "--dtype, --page-size and --bucket select entries; without them the unit_costs are measured "
                         "too, and with --unit-costs alone")
     g.add_argument("--cost-model", action="store_true",

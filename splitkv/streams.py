@@ -98,7 +98,7 @@ def _runtime():
 
 def is_capturing(ptr: int) -> bool:
     """Whether stream ``ptr`` is being captured into a CUDA graph (a query; it never waits)."""
-    return bool(_runtime().streamIsCapturing(ptr))
+    return bool((_cuda_runtime or _runtime()).streamIsCapturing(ptr))  # every run(): no call to _runtime
 
 
 def _new_event():
@@ -118,7 +118,7 @@ def _wait(waiter: int, event, *, in_capture: bool = False) -> None:
 
 
 def _record(event, ptr: int) -> None:
-    _runtime().eventRecord(event.ptr, ptr)
+    (_cuda_runtime or _runtime()).eventRecord(event.ptr, ptr)
 
 
 class StreamOrder:

@@ -74,12 +74,29 @@ def test_paged_sets_come_per_page_size_and_layout():
 QUANTIZED_SPILLS = {(256, 16)}
 
 
+def _elf_end(elf: bytes) -> int:
+    """Where a 64-bit ELF's last part ends: its program and section header tables, or the last
+    section's bytes (NVRTC's cubins end with the program headers)."""
+    import struct
+
+    ph_off, sh_off = struct.unpack_from("<QQ", elf, 0x20)
+    ph_size, ph_num, sh_size, sh_num = struct.unpack_from("<HHHH", elf, 0x36)
+    end = max(ph_off + ph_size * ph_num, sh_off + sh_size * sh_num)
+    for i in range(sh_num):
+        kind, = struct.unpack_from("<I", elf, sh_off + i * sh_size + 4)
+        offset, size = struct.unpack_from("<QQ", elf, sh_off + i * sh_size + 0x18)
+        if kind != 8:  # SHT_NOBITS holds no bytes in the file
+            end = max(end, offset + size)
+    return end
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("spec", [s for s in DEFAULT_SET if getattr(s, "kv_dtype", "bf16") in ("bf16", "fp16")],
                          ids=lambda s: s.name)
 def test_every_default_kernel_compiles_for_sm90(spec):
     result = compile_cubin(spec, use_disk_cache=False)
     assert result.cubin[:4] == b"\x7fELF", "NVRTC must return a cubin (ELF), not PTX"
+    assert _elf_end(result.cubin) == len(result.cubin), "the cubin must be whole (its headers' tables inside it)"
     assert result.registers is not None and 0 < result.registers <= 255
     assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
     assert "{{" not in result.source and "{%" not in result.source

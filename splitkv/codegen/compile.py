@@ -114,6 +114,36 @@ def _nvrtc():
     return nvrtc
 
 
+@functools.lru_cache(maxsize=1)
+def _nvrtc_library():
+    """The NVRTC library CuPy's bindings use, through ctypes (loaded by cuda-pathfinder, as CuPy
+    loads it), for the two calls `_cubin_of` makes."""
+    import ctypes
+
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    library = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    for name in ("nvrtcGetCUBINSize", "nvrtcGetCUBIN"):
+        getattr(library, name).restype = ctypes.c_int
+    return library
+
+
+def _cubin_of(program: int) -> bytes:
+    """The compiled program's cubin, all of it: CuPy's getCUBIN strips a trailing NUL that a cubin
+    does not have, and so drops the ELF's last byte."""
+    import ctypes
+
+    library = _nvrtc_library()
+    size = ctypes.c_size_t()
+    status = library.nvrtcGetCUBINSize(ctypes.c_void_p(program), ctypes.byref(size))
+    if status == 0:
+        buffer = ctypes.create_string_buffer(size.value)
+        status = library.nvrtcGetCUBIN(ctypes.c_void_p(program), buffer)
+    if status != 0:
+        raise RuntimeError(f"NVRTC could not return the cubin (nvrtcResult {status})")
+    return buffer.raw
+
+
 def nvrtc_version() -> tuple[int, int]:
     return tuple(_nvrtc().getVersion())
 
@@ -209,9 +239,13 @@ def toolchain_fingerprint() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+#: Changes when what the cache holds for a key changes (2: whole cubins; 1 lacked the last byte).
+_CACHE_FORMAT = "2"
+
+
 def _cache_key(source: str, headers: dict[str, str], options: list[str]) -> str:
     digest = hashlib.sha256()
-    for part in (repr(nvrtc_version()), toolchain_fingerprint(), "\0".join(options), source, *headers.keys(),
+    for part in (_CACHE_FORMAT, repr(nvrtc_version()), toolchain_fingerprint(), "\0".join(options), source, *headers.keys(),
                  *headers.values()):
         digest.update(part.encode())
         digest.update(b"\0")
@@ -235,7 +269,7 @@ def _compile(spec, source, headers, options, folder: Path, key: str, stem: str) 
             raise CompileError(f"NVRTC failed to compile {spec.name} ({exc})",
                                nvrtc.getProgramLog(program), source_path) from None
         log = nvrtc.getProgramLog(program)
-        cubin = nvrtc.getCUBIN(program)
+        cubin = _cubin_of(program)
     finally:
         nvrtc.destroyProgram(program)
     compile_ms = (time.perf_counter() - start) * 1e3

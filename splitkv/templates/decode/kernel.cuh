@@ -58,28 +58,36 @@ __device__ __forceinline__ void decode_program(
         splitkv::cluster_arrive_relaxed();
     }
     // Loaded first and used last: the first K/V tiles and Q are requested while it is in flight.
-    const int len = min(__ldg(seq_lens + batch_idx), max_len);  // never read past the cache, whatever the lengths
+    const int loaded_len = __ldg(seq_lens + batch_idx);
     // ---- Q as MMA A fragments, held in registers for the whole program ------------------------
     // Requested before the K/V tiles, so that it arrives first; nothing waits for it until the
     // first MMA. a0: row lane/4, k = 2(lane%4)+{0,1}; a1: row +8; a2: k +8; a3: row +8, k +8.
     const int qr = lane / 4, qc = 2 * (lane % 4);
     u32 qa[KSTEPS][4];
+    // Quantized K/V take each pair as two 16-bit loads (elements k_slot_dim apart). The second
+    // halves wait in q_high and are packed into qa by finish_q, after the first tiles are requested:
+    // packed here, the pack's wait for the loads would hold back the tiles' requests.
+    u32 q_high[QUANTIZED ? KSTEPS : 1][4];
     auto load_q = [&](const q_t* q_rows) {  // the group's query heads, in global or shared memory
         // k-slots `slot`, slot + 1 of k-step ks of one row, as stored: adjacent elements for 16-bit
-        // K/V, elements k_slot_dim apart for quantized K/V.
-        auto q_pair = [&](int row, int ks, int slot) -> u32 {
+        // K/V (both in the value returned), elements k_slot_dim apart for quantized K/V (the second
+        // in ``high``).
+        auto q_pair = [&](int row, int ks, int slot, u32& high) -> u32 {
+            high = 0u;
             if (row >= GROUP) return 0u;
             const q_t* r = q_rows + (size_t)row * HEAD_DIM;
             if constexpr (!QUANTIZED) return *reinterpret_cast<const u32*>(r + ks * 16 + slot);
             const unsigned short* bits = reinterpret_cast<const unsigned short*>(r);
-            return (u32)bits[k_slot_dim(ks, slot)] | ((u32)bits[k_slot_dim(ks, slot + 1)] << 16);
+            high = bits[k_slot_dim(ks, slot + 1)];
+            return bits[k_slot_dim(ks, slot)];
         };
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-            qa[ks][0] = q_pair(qr, ks, qc);
-            qa[ks][1] = ROWS16 ? q_pair(qr + 8, ks, qc) : 0u;
-            qa[ks][2] = q_pair(qr, ks, qc + 8);
-            qa[ks][3] = ROWS16 ? q_pair(qr + 8, ks, qc + 8) : 0u;
+            u32 (&high)[4] = q_high[QUANTIZED ? ks : 0];
+            qa[ks][0] = q_pair(qr, ks, qc, high[0]);
+            qa[ks][1] = ROWS16 ? q_pair(qr + 8, ks, qc, high[1]) : (high[1] = 0u);
+            qa[ks][2] = q_pair(qr, ks, qc + 8, high[2]);
+            qa[ks][3] = ROWS16 ? q_pair(qr + 8, ks, qc + 8, high[3]) : (high[3] = 0u);
         }
     };
     load_q(q + ((size_t)batch_idx * num_qo_heads + (size_t)kv_head * GROUP) * HEAD_DIM);
@@ -122,9 +130,16 @@ __device__ __forceinline__ void decode_program(
     for (int t = 0; t < STAGES - 1; ++t) load_tile(t);
     const int prefetched = min(STAGES - 1, my_tiles);
 
-    // Q of another type than the MMAs' is converted once, so that both MMA operands share the type.
-    // (Same types need nothing, so Q's arrival stays off the path to the first tile's wait.)
-    auto convert_q = [&]() {
+    // Q's pairs packed (quantized K/V), and Q of another type than the MMAs' converted once, so that
+    // both MMA operands share the type. (16-bit K/V of Q's type need neither, so Q's arrival stays
+    // off the path to the first tile's wait.)
+    auto finish_q = [&]() {
+        if constexpr (QUANTIZED) {
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) qa[ks][i] |= q_high[ks][i] << 16;
+        }
         if constexpr (!splitkv::same_type<q_t, mma_t>::value) {
 #pragma unroll
             for (int ks = 0; ks < KSTEPS; ++ks)
@@ -134,13 +149,14 @@ __device__ __forceinline__ void decode_program(
                                         splitkv::Elem<q_t>::to_float(splitkv::Elem<q_t>::from_bits(qa[ks][i] >> 16)));
         }
     };
-    convert_q();
+    finish_q();
     // The fp32 factors of S (into base 2) and of O: the softmax scale, and for quantized K/V the
     // tensor's (or K/V head's) scales over the unit of the unpacked values.
     auto k_factor = [&](int head) { return QUANTIZED ? scale_log2 * (k_scale[head * k_per_head] / KV_UNIT) : scale_log2; };
     auto v_factor = [&](int head) { return QUANTIZED ? v_scale[head * v_per_head] / KV_UNIT : 1.f; };
     float s_factor = k_factor(kv_head), o_factor = v_factor(kv_head);
 
+    const int len = min(loaded_len, max_len);  // never read past the cache, whatever the lengths
     int splits_used = 1;
     if (SPLIT) {
         // Clamped so that lengths beyond what the plan covers can never index past the workspace.

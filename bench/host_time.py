@@ -171,6 +171,29 @@ def time_alternating(calls_by_side: list, calls: int, block: int = _BLOCK) -> li
     return times
 
 
+def host_yardstick(calls: int) -> dict:
+    """What this host charges any caller, timed as run() is: one driver launch of an empty kernel
+    (CuPy's binding of cuLaunchKernel, as run() launches) and, where torch is installed, one
+    ``torch.add(a, b, out=c)`` of 16 floats (a framework's own kernel call). run() pays the first
+    once per program it launches."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    function = cupy.RawKernel('extern "C" __global__ void empty(long long unused) {}', "empty").kernel
+    value = np.zeros(1, np.int64)
+    argument = np.array([value.ctypes.data], np.uint64)
+    stream = cupy.cuda.get_current_stream().ptr
+    figures = {"empty_launch_us": statistics.median(time_calls(
+        lambda: driver.launchKernel(function.ptr, 1, 1, 1, 32, 1, 1, 0, stream, argument.ctypes.data, 0), calls))}
+    try:
+        import torch
+    except ImportError:
+        return figures
+    a, b, c = (torch.zeros(16, device="cuda") for _ in range(3))
+    figures["torch_add_us"] = statistics.median(time_calls(lambda: torch.add(a, b, out=c), calls))
+    return figures
+
+
 def _figures(prefix: str, times: list[float]) -> dict:
     return {f"{prefix}_us_median": statistics.median(times), f"{prefix}_us_p90": float(np.percentile(times, 90))}
 
@@ -226,6 +249,12 @@ def markdown(result: dict) -> str:
                if baseline else "")
         lines.append(f"| {r['description']} | {r['run_us_median']:.1f} | {r['run_us_p90']:.1f} |{old} "
                      f"{r['plan_us_median']:.0f} | {r['plan_us_p90']:.0f} | {decode} |")
+    yardstick = result.get("host_yardstick")
+    if yardstick:
+        torch_add = (f"; `torch.add(a, b, out=c)` of 16 floats {yardstick['torch_add_us']:.1f} µs"
+                     if "torch_add_us" in yardstick else "")
+        lines += ["", f"The same host, timed alike: one driver launch of an empty kernel "
+                      f"{yardstick['empty_launch_us']:.1f} µs{torch_add}."]
     return "\n".join(lines)
 
 
@@ -260,6 +289,8 @@ def main(argv=None) -> int:
             baseline = Checkout(args.baseline, "splitkv_baseline", args.baseline_commit)
         except CheckoutError as e:
             parser.error(f"--baseline: {e}")
+    yardstick = host_yardstick(args.calls)
+    print("this host: " + ", ".join(f"{k} {v:.1f}" for k, v in yardstick.items()))
     results = []
     old = f" {'baseline':>9s}" if baseline else ""
     print(f"{'case':18s} {'run() µs':>9s} {'p90':>6s}{old} {'plan() µs':>10s} {'p90':>7s} {'decode()':>9s} "
@@ -280,7 +311,7 @@ def main(argv=None) -> int:
               f"{r['plan_us_p90']:7.1f} {decode}  {r['plan_info']}", flush=True)
     if args.json:
         record = {"calls": args.calls, "plan_calls": args.plan_calls, "python": sys.version.split()[0],
-                  "results": results}
+                  "host_yardstick": yardstick, "results": results}
         if baseline is not None:
             record["baseline"] = baseline.describe()
         with open(args.json, "w") as f:

@@ -305,3 +305,13 @@ def test_host_time_table_shows_a_baselines_run_beside_this_trees():
     lines = host_time.markdown(result).splitlines()
     assert "abc1234 run() µs" in lines[0] and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "| 9.0 | 10.0 | 12.0 | 0.75 | 100 | 110 | – | – |" in lines[2]
+
+
+def test_host_time_table_says_what_the_host_charges_any_caller():
+    host_time = _bench_tool("host_time")
+    result = {"host_yardstick": {"empty_launch_us": 4.44, "torch_add_us": 7.86}, "results": [
+        {"description": "case", "run_us_median": 9.0, "run_us_p90": 10.0, "plan_us_median": 100.0,
+         "plan_us_p90": 110.0}]}
+    text = host_time.markdown(result)
+    assert "empty kernel 4.4 µs" in text and "16 floats 7.9 µs" in text
+    assert "empty kernel" not in host_time.markdown({"results": result["results"]})

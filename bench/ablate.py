@@ -97,7 +97,8 @@ LOOP_ABLATIONS = {
 
 #: name -> source patch. Each removes one part of the program from the critical path.
 ABLATIONS = {
-    "no length read (length = L)": _swap("min(__ldg(seq_lens + batch_idx), max_len)", "max_len"),
+    "no length read (length = L)": _swap("const int loaded_len = __ldg(seq_lens + batch_idx);",
+                                         "const int loaded_len = max_len;"),
     "no Q loads": _swap("        if (row >= GROUP) return 0u;\n", "        return 0x3f803f80u;\n"),
     "no global merge tail": _swap("    if (!FUSED_MERGE) return;\n", "    return;\n"),
     **LOOP_ABLATIONS,

@@ -306,3 +306,16 @@ def test_ab_of_a_run_without_a_checkout_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["ab", str(path)])
     assert "no checkout to compare with" in capsys.readouterr().err
+
+
+def test_software_info_names_a_module_without_a_version_by_its_distribution(monkeypatch):
+    import sys
+    import types
+    from importlib import metadata
+
+    from splitkv.bench import results
+
+    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", types.ModuleType("fa3_fwd_interface"))
+    real_version = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda dist: "0.0.3" if dist == "fa3-fwd" else real_version(dist))
+    assert results.software_info(None)["fa3_fwd_interface"] == "0.0.3"

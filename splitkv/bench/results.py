@@ -214,10 +214,20 @@ def portable_argv(argv) -> list:
 
 def software_info(torch_mod) -> dict:
     """Versions of what the figures depend on; a package that fails to import is recorded so."""
+    from importlib import metadata
+
     info = {"python": platform.python_version()}
-    for mod in ("cupy", "splitkv", "flashinfer", "fa3_fwd_interface", "triton"):
+    # A module without __version__ is named by its distribution's version (fa3-fwd has none).
+    for mod, dist in (("cupy", "cupy"), ("splitkv", "splitkv"), ("flashinfer", "flashinfer-python"),
+                      ("fa3_fwd_interface", "fa3-fwd"), ("triton", "triton")):
         try:
-            info[mod] = getattr(__import__(mod), "__version__", "unknown")
+            version = getattr(__import__(mod), "__version__", None)
+            if version is None:
+                try:
+                    version = metadata.version(dist)
+                except metadata.PackageNotFoundError:
+                    version = "unknown"
+            info[mod] = version
         except Exception as exc:  # noqa: BLE001
             info[mod] = None
             info[mod + "_import_error"] = " ".join(str(exc).split())[:200]

@@ -245,8 +245,8 @@ _CACHE_FORMAT = "2"
 
 def _cache_key(source: str, headers: dict[str, str], options: list[str]) -> str:
     digest = hashlib.sha256()
-    for part in (_CACHE_FORMAT, repr(nvrtc_version()), toolchain_fingerprint(), "\0".join(options), source, *headers.keys(),
-                 *headers.values()):
+    for part in (_CACHE_FORMAT, repr(nvrtc_version()), toolchain_fingerprint(), "\0".join(options), source,
+                 *headers.keys(), *headers.values()):
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()[:24]

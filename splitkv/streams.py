@@ -101,6 +101,44 @@ def is_capturing(ptr: int) -> bool:
     return bool((_cuda_runtime or _runtime()).streamIsCapturing(ptr))  # every run(): no call to _runtime
 
 
+def capture_id(ptr: int) -> int | None:
+    """The id of the capture that stream ``ptr`` is in (unique in the process), from
+    cudaStreamGetCaptureInfo; None when it cannot be asked. Called only while ``ptr`` captures."""
+    import ctypes
+
+    function = _capture_info()
+    if function is None:
+        return None
+    status, capture = ctypes.c_int(), ctypes.c_ulonglong()
+    # The optional outputs passed as NULL: CUDA 12's runtime exports a version of the call with
+    # fewer of them (it ignores the rest), CUDA 13's the one with all six.
+    if function(ctypes.c_void_p(ptr), ctypes.byref(status), ctypes.byref(capture), None, None, None, None) != 0:
+        return None
+    return capture.value if status.value == _CAPTURE_ACTIVE else None
+
+
+#: cudaStreamCaptureStatusActive.
+_CAPTURE_ACTIVE = 1
+_capture_info_function: list = []
+
+
+def _capture_info():
+    """cudaStreamGetCaptureInfo of the CUDA runtime CuPy loads (through cuda-pathfinder, as CuPy
+    finds it), or None where it cannot be loaded."""
+    if not _capture_info_function:
+        import ctypes
+
+        try:
+            from cuda.pathfinder import load_nvidia_dynamic_lib
+
+            function = ctypes.CDLL(load_nvidia_dynamic_lib("cudart").abs_path).cudaStreamGetCaptureInfo
+            function.restype = ctypes.c_int
+        except Exception:  # noqa: BLE001 - no id: a wait per captured call, as correct and slower
+            function = None
+        _capture_info_function.append(function)
+    return _capture_info_function[0]
+
+
 def _new_event():
     import cupy
 
@@ -131,9 +169,11 @@ class StreamOrder:
     it is queued, and each wait follows the previous work, so the waits chain every plan and run
     in order. The event is recorded while its stream is alive, so later waits never touch a
     stream the caller may have destroyed. Under graph capture the wait becomes an event-wait node,
-    which each replay honours (it then follows the latest plan or run outside the graph); work
-    captured into a graph records nothing, so replays are the caller's to order against later
-    plans. Create it on the device whose streams it orders; its event lives there.
+    which each replay honours (it then follows the latest plan or run outside the graph); one node
+    per capture and stream: the work captured after it on that stream follows it in the graph, and
+    each node costs every replay about a microsecond on the GPU. Work captured into a graph records
+    nothing, so replays are the caller's to order against later plans. Create it on the device
+    whose streams it orders; its event lives there.
     """
 
     def __init__(self):
@@ -142,12 +182,24 @@ class StreamOrder:
         # its handle: a handle equal to it names the same stream, unless it is the per-thread
         # default stream's (one handle, a stream per thread), which is never kept here
         self._last_ptr = None
+        self._waited_in = None  # (capture id, stream_key) of the capture whose graph waits already
 
     def enter(self, ptr: int) -> bool:
-        """Orders stream ``ptr`` after the last work, when that was on another stream or ``ptr``
-        is being captured. Returns whether ``ptr`` is being captured."""
+        """Orders stream ``ptr`` after the last work, when that was on another stream, or when
+        ``ptr`` is being captured and this capture has no wait on it yet. Returns whether ``ptr``
+        is being captured."""
         capturing = is_capturing(ptr)
-        if self._done is not None and (capturing or (ptr != self._last_ptr and stream_key(ptr) != self._last)):
+        if self._done is None:
+            return capturing
+        if capturing:
+            # The event-wait node waits at each replay for the event's latest record, so one per
+            # capture and stream orders all the work captured there after it. Without the
+            # capture's id (None) every captured call gets its own.
+            capture = (capture_id(ptr), stream_key(ptr))
+            if capture[0] is None or capture != self._waited_in:
+                _wait(ptr, self._done)
+                self._waited_in = capture
+        elif ptr != self._last_ptr and stream_key(ptr) != self._last:
             _wait(ptr, self._done)
         return capturing
 

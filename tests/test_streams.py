@@ -16,7 +16,8 @@ PLAN, OTHER, THIRD = 0x5000, 0x7000, 0x9000
 
 @pytest.fixture
 def calls(monkeypatch):
-    log = types.SimpleNamespace(events=itertools.count(1), records=[], waits=[], capturing=set())
+    # capturing: stream -> the id of the capture it is in (None: an id the runtime did not give)
+    log = types.SimpleNamespace(events=itertools.count(1), records=[], waits=[], capturing={})
     monkeypatch.setattr(streams, "_new_event", lambda: types.SimpleNamespace(ptr=next(log.events)))
     monkeypatch.setattr(streams, "_record", lambda event, ptr: log.records.append((event.ptr, ptr)))
 
@@ -24,6 +25,7 @@ def calls(monkeypatch):
         log.waits.append((ptr, event.ptr, in_capture))
     monkeypatch.setattr(streams, "_wait", wait)
     monkeypatch.setattr(streams, "is_capturing", lambda ptr: ptr in log.capturing)
+    monkeypatch.setattr(streams, "capture_id", lambda ptr: log.capturing[ptr])
     return log
 
 
@@ -55,18 +57,43 @@ def test_the_first_call_waits_for_nothing(calls):
     assert calls.waits == []
 
 
-def test_a_capture_waits_in_every_graph_and_records_nothing(calls):
+def test_a_capture_waits_once_per_graph_and_stream_and_records_nothing(calls):
     order = streams.StreamOrder()
     _use(order, PLAN)
-    _use(order, OTHER)  # a warm-up run outside the capture
-    calls.capturing.add(OTHER)
-    for _ in range(2):  # each capture gets its own wait node, even on the last call's stream
+    _use(order, OTHER)  # a warm-up run outside the capture (it waits for the plan)
+    calls.capturing[OTHER] = 41
+    for _ in range(3):  # a graph of three runs (layers): one wait node, the runs follow it
         _use(order, OTHER)
-    assert calls.waits == [(OTHER, 1, False)] * 3
+    assert calls.waits == [(OTHER, 1, False)] * 2
+    calls.capturing[THIRD] = 41  # the same capture forked onto another stream: a node there too
+    _use(order, THIRD)
+    _use(order, THIRD)
+    assert calls.waits[2:] == [(THIRD, 1, False)]
+    calls.capturing = {OTHER: 42}  # the next capture on the last call's stream gets its own node
+    _use(order, OTHER)
+    _use(order, OTHER)
+    assert calls.waits[3:] == [(OTHER, 1, False)]
     assert [ptr for _, ptr in calls.records] == [PLAN, OTHER]  # nothing recorded inside the captures
-    calls.capturing.clear()
+    calls.capturing = {}
     _use(order, PLAN)  # the next plan follows the last work outside the captures
     assert calls.waits[-1] == (PLAN, 1, False)
+
+
+def test_without_a_capture_id_every_captured_call_waits(calls):
+    order = streams.StreamOrder()
+    _use(order, PLAN)
+    calls.capturing[OTHER] = None
+    for _ in range(3):
+        _use(order, OTHER)
+    assert calls.waits == [(OTHER, 1, False)] * 3
+
+
+def test_nothing_outside_a_capture_before_it_leaves_its_graph_without_waits(calls):
+    order = streams.StreamOrder()
+    calls.capturing[OTHER] = 7
+    _use(order, OTHER)
+    _use(order, OTHER)
+    assert calls.waits == [] and calls.records == []
 
 
 def test_the_legacy_default_stream_has_two_handles(calls):
@@ -101,13 +128,13 @@ def test_wait_for_producer(calls):
 
 
 def test_wait_for_producer_in_the_same_capture_is_a_graph_edge(calls):
-    calls.capturing.update({PLAN, OTHER})
+    calls.capturing.update({PLAN: 5, OTHER: 5})
     streams.wait_for_producer(PLAN, OTHER, {})
     assert calls.waits == [(OTHER, 1, True)]
 
 
 def test_wait_for_producer_refuses_the_legacy_stream_under_capture(calls):
-    calls.capturing.add(OTHER)
+    calls.capturing[OTHER] = 5
     with pytest.raises(RuntimeError, match="legacy default stream"):
         streams.wait_for_producer(1, OTHER, {})
     assert calls.records == []

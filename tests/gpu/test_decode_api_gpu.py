@@ -8,6 +8,7 @@ of decode_checks.py, poisoned with NaN before each call.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -297,16 +298,25 @@ def test_plan_and_run_on_different_streams_are_ordered():
     assert not planner.done, "the busy kernel ended before the run was queued: nothing was tested"
     runner.synchronize()
 
-    # Captured on another stream than the plan's, the wait becomes a node of the graph.
+    # Captured on another stream than the plan's, the wait becomes a node of the graph: one for
+    # the graph's three runs (layers), which follow it on the capturing stream. The plan is held
+    # back, so a replay that did not wait for it would read the previous lengths.
+    _busy(planner)
     attn.plan(lens_b, stream=planner)
-    out_g = poisoned((2, 8, 128), "bf16")
+    outs_g = [poisoned((2, 8, 128), "bf16") for _ in range(3)]
     runner.begin_capture()
-    attn.run(q, k, v, out=out_g, stream=runner)
+    for out_g in outs_g:
+        attn.run(q, k, v, out=out_g, stream=runner)
     graph = runner.end_capture()
+    nodes = graph.debug_dot_str().upper()
+    assert len(re.findall(r"EVENT_WAIT|WAIT_EVENT", nodes)) == 1, nodes
+    assert len(re.findall(r"SPLITKV_DECODE", nodes)) >= 3, nodes
     graph.launch(runner)
+    assert not planner.done, "the busy kernel ended before the replay was queued: nothing was tested"
     runner.synchronize()
+    graph_outs = [(out_g, lens_b, f"graph captured on the run's stream, layer {i}") for i, out_g in enumerate(outs_g)]
     for out, lens, label in ((out_a, lens_a, "run before the next plan"), (out_c, lens_c, "run after a held-back plan"),
-                             (out_g, lens_b, "graph captured on the run's stream")):
+                             *graph_outs):
         ref_out, _ = reference(q64, k64, v64, lens, 1 / math.sqrt(128))
         check_close(out, None, ref_out, None, lens, "bf16", f"{label}: {attn.plan_info}")
 

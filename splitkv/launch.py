@@ -12,7 +12,6 @@ captured, so a CUDA graph keeps the values of the run that was captured.
 from __future__ import annotations
 
 import dataclasses
-import struct
 
 import numpy as np
 
@@ -120,7 +119,11 @@ class Launch:
         # Tokens per sequence the cache holds: a contiguous cache's rows, or a table row's pages.
         cache_len = table.stride * self.heads.page_size if table else kv_shape[1]
         num_pages = kv_shape[0] if table else 0
-        _pack_run_fields(args.decode_bytes, 0, *pointers, *quantized, cache_len, num_pages)
+        words, ints = args.decode_words, args.decode_ints
+        (words[_Q], words[_K], words[_V], words[_OUT], words[_LSE]) = pointers
+        (words[_K_SCALE], words[_V_SCALE], words[_K_BLOCKS], words[_V_BLOCKS],
+         ints[_K_PER_HEAD], ints[_V_PER_HEAD]) = quantized
+        ints[_MAX_LEN], ints[_NUM_PAGES] = cache_len, num_pages
         if args.map_view is not None:
             maps = (pointers[1], pointers[2], cache_len, num_pages)
             if maps != args.maps_written:  # the same caches as the last run: the struct holds their maps
@@ -169,9 +172,9 @@ _launch = _driver_launch  # cuLaunchKernel, bound on the first launch
 
 class Arguments:
     """One thread's structs (decode and merge programs) of one instance: the plan's fields written
-    when they are bound to a launch (`bind`, on the first run after a plan), through 64- and 32-bit
-    views of the bytes (a numpy record write costs several times more), the run's on each call (the
-    decode struct's in one `struct.pack_into`, `RUN_FIELDS`). Two threads never share them: a launch copies the bytes while the thread makes it."""
+    when they are bound to a launch (`bind`, on the first run after a plan), the run's on each
+    call, through 64- and 32-bit views of the bytes (a numpy record write costs several times
+    more). Two threads never share them: a launch copies the bytes while the thread makes it."""
 
     def __init__(self):
         import cupy
@@ -248,14 +251,13 @@ def _int(layout, name: str) -> int:
     return layout.offset[name] // 4
 
 
-#: The fields run() writes on every call, in the order the struct starts with them: the arrays'
-#: addresses (q, k, v, out, lse), the quantized caches' fields (`read_arrays`), the cache's extent.
-RUN_FIELDS = ("q", "k", "v", "out", "lse", "k_scale", "v_scale", "k_block_scales", "v_block_scales",
-              "k_per_head", "v_per_head", "max_len", "num_pages")
-#: One call writes them: a third of what as many indexed writes cost.
-_pack_run_fields = struct.Struct("<9Q4i").pack_into
+_Q, _K, _V, _OUT, _LSE = (_word(DECODE, f) for f in ("q", "k", "v", "out", "lse"))
+_K_SCALE, _V_SCALE, _K_BLOCKS, _V_BLOCKS = (_word(DECODE, f) for f in
+                                            ("k_scale", "v_scale", "k_block_scales", "v_block_scales"))
 _SEQ_LENS, _PARTIAL_O, _PARTIAL_LSE, _COUNTERS, _BLOCK_TABLE, _UNITS = (
     _word(DECODE, f) for f in ("seq_lens", "partial_o", "partial_lse", "counters", "block_table", "units"))
+_K_PER_HEAD, _V_PER_HEAD, _MAX_LEN, _NUM_PAGES = (_int(DECODE, f) for f in
+                                                  ("k_per_head", "v_per_head", "max_len", "num_pages"))
 _NUM_KV_HEADS, _TOKENS_PER_SPLIT, _TABLE_STRIDE, _SCALE_LOG2 = (
     _int(DECODE, f) for f in ("num_kv_heads", "tokens_per_split", "table_stride", "scale_log2"))
 _K_MAP, _V_MAP = DECODE.offset["k_map"], DECODE.offset["v_map"]

@@ -61,35 +61,33 @@ class StructLayout:
         return np.frombuffer(raw, self.dtype, count=1)[0].copy()
 
 
-#: The decode program's Params. The fields run() writes on every call lead, in one run of 64- and
-#: 32-bit words that one `struct.pack_into` fills (launch.RUN_FIELDS); the plan's fields follow,
-#: then the maps (64-byte aligned, as the struct's start is).
+#: The decode program's Params. The maps lead: they need 64-byte alignment, and the struct's start has it.
 DECODE = StructLayout((
+    ("k_map", "splitkv::TensorMap", "map"),   # tma: k as [batch x max_len][num_kv_heads x HEAD_DIM]
+    ("v_map", "splitkv::TensorMap", "map"),
     ("q", "const q_t*", "ptr"),               # [batch][num_qo_heads][HEAD_DIM]
     ("k", "const unsigned char*", "ptr"),     # [batch][max_len][num_kv_heads][ROW_BYTES] (or pages)
     ("v", "const unsigned char*", "ptr"),
+    ("seq_lens", "const int*", "ptr"),        # [batch]
     ("out", "out_t*", "ptr"),                 # [batch][num_qo_heads][HEAD_DIM]
     ("lse", "float*", "ptr"),                 # [batch][num_qo_heads] natural log, or null
+    ("partial_o", "float*", "ptr"),           # split: [batch][slots][num_qo_heads][HEAD_DIM]
+    ("partial_lse", "float*", "ptr"),         # split: [batch][slots][num_qo_heads], base 2
+    ("counters", "int*", "ptr"),              # split, zeroed: [batch][num_kv_heads][ROW_COUNTERS]
     ("k_scale", "const float*", "ptr"),       # quantized: [1] or [num_kv_heads]
     ("v_scale", "const float*", "ptr"),
     ("k_block_scales", "const unsigned char*", "ptr"),  # NVFP4: [batch][max_len][num_kv_heads][SCALE_ROW]
     ("v_block_scales", "const unsigned char*", "ptr"),
-    ("k_per_head", "int", "int"),             # quantized: 1 when k_scale has one value per K/V head
-    ("v_per_head", "int", "int"),
-    ("max_len", "int", "int"),
-    ("num_pages", "int", "int"),
-    ("seq_lens", "const int*", "ptr"),        # [batch]
-    ("partial_o", "float*", "ptr"),           # split: [batch][slots][num_qo_heads][HEAD_DIM]
-    ("partial_lse", "float*", "ptr"),         # split: [batch][slots][num_qo_heads], base 2
-    ("counters", "int*", "ptr"),              # split, zeroed: [batch][num_kv_heads][ROW_COUNTERS]
     ("block_table", "const int*", "ptr"),     # paged: [batch][table_stride] page indices
     ("units", "const int*", "ptr"),           # units: the work-unit tables
+    ("max_len", "int", "int"),
     ("num_kv_heads", "int", "int"),
     ("tokens_per_split", "int", "int"),
     ("scale_log2", "float", "float"),
+    ("k_per_head", "int", "int"),             # quantized: 1 when k_scale has one value per K/V head
+    ("v_per_head", "int", "int"),
     ("table_stride", "int", "int"),
-    ("k_map", "splitkv::TensorMap", "map"),   # tma: k as [batch x max_len][num_kv_heads x HEAD_DIM]
-    ("v_map", "splitkv::TensorMap", "map"),
+    ("num_pages", "int", "int"),
 ))
 
 #: The merge program's Params: the split plans' fields, then the units plans' (each program reads its own).

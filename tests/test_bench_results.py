@@ -118,6 +118,35 @@ def test_the_latest_file_is_the_latest_timestamp_not_the_latest_write(tmp_path):
         results.load_result(tmp_path / "d.json")
 
 
+def test_render_takes_the_latest_run_with_peers_and_ab_the_latest_with_a_checkout(tmp_path):
+    ab, figures = fake_result(), fake_result()
+    for name in ("baseline", "baseline-aa"):
+        del figures["implementations"][name]
+    for name in ("sdpa-cudnn", "fa3", "flashinfer-tc"):
+        del ab["implementations"][name]
+    figures["timestamp"], ab["timestamp"] = "2026-12-02T09:00:00+00:00", "2026-12-02T11:00:00+00:00"
+    results.write_json(figures, tmp_path / "figures.json")
+    results.write_json(ab, tmp_path / "ab.json")  # the later run, an A/B without peers
+    assert results.latest_result(tmp_path).name == "ab.json"
+    assert results.latest_result(tmp_path, timing="peers").name == "figures.json"
+    assert results.latest_result(tmp_path, timing="checkouts").name == "ab.json"
+    both = fake_result()  # peers and a checkout in one run: it is either's latest
+    both["timestamp"] = "2026-12-02T12:00:00+00:00"
+    results.write_json(both, tmp_path / "both.json")
+    assert results.latest_result(tmp_path, timing="peers").name == "both.json"
+    assert results.latest_result(tmp_path, timing="checkouts").name == "both.json"
+    with pytest.raises(ValueError, match="timing"):
+        results.latest_result(tmp_path, timing="floor")
+
+
+def test_the_ab_table_says_when_rounds_left_positions_unbalanced():
+    result = fake_result()
+    assert "Positions not balanced" not in render.render_ab(result)  # runs before the flag: no claim
+    result["shapes"][0]["positions_balanced"] = True
+    result["shapes"][1]["positions_balanced"] = False
+    assert "Positions not balanced on 1 shapes" in render.render_ab(result)
+
+
 def test_merge_joins_the_parts_of_one_sweep_and_refuses_others():
     a, b = fake_result(), fake_result()
     a["shapes"], b["shapes"] = a["shapes"][:1], b["shapes"][1:] + [dict(b["shapes"][0], layers=7)]

@@ -7,7 +7,7 @@ import pytest
 from splitkv.bench import protocols
 from splitkv.bench.cases import Case
 from splitkv.bench.inputs import check, poison
-from splitkv.bench.protocols import Settings, prepare, round_order, run_rounds, summary
+from splitkv.bench.protocols import Settings, positions_balanced, prepare, round_order, run_rounds, summary
 
 
 class T:
@@ -97,6 +97,21 @@ def test_round_order_alternates_and_balances_positions(count):
         assert orders[r + 1] == orders[r][::-1]  # A B ..., then ... B A
     for v in range(count):
         assert sorted(o.index(v) for o in orders) == sorted(list(range(count)) * 2)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_multiples_of_twice_the_implementations_balance_positions(count):
+    for rounds in range(2 * count, 8 * count + 1, 2 * count):
+        assert positions_balanced(rounds, count)
+
+
+def test_unbalanced_round_counts_are_found():
+    # 4 implementations (splitkv, the baseline, its A/A copy, the floor) in 5 rounds: splitkv takes
+    # positions 0, 3, 3, 0, 2 and the baseline 1, 2, 0, 3, 3.
+    assert not positions_balanced(5, 4) and positions_balanced(8, 4)
+    assert positions_balanced(2, 2) and not positions_balanced(3, 2)  # A B, B A already balances two
+    assert not positions_balanced(2, 3) and positions_balanced(6, 3)
+    assert positions_balanced(5, 1)
 
 
 def test_two_implementations_run_abba():

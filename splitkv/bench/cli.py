@@ -20,7 +20,7 @@ from pathlib import Path
 from . import render, results
 from .overrides import parse_spec_override, spec_label
 from .peers import PEER_GROUPS, PEER_SETUPS, parse_peers
-from .protocols import PROTOCOLS, Settings
+from .protocols import PROTOCOLS, Settings, positions_balanced
 from .shapes import DEFAULT_SHAPES, QUICK_SHAPES, SERVING_BYTES, parse_shapes, serving_layers, shapes_part
 
 SUBCOMMANDS = ("render", "ab", "merge")
@@ -220,6 +220,9 @@ def run(args, argv) -> int:
             result["floor_sweep"] = floor_sweep(harness, floor)
         impls = implementations(splitkv, floor, args.peer_list, args.spec_overrides, gpu["arch"], commit, checkouts)
         result["implementations"] = {impl.name: impl.record for impl in impls}
+        if not positions_balanced(settings.rounds, len(impls)):
+            _print(f"note: {settings.rounds} rounds do not give the {len(impls)} implementations every position "
+                   f"equally often; a multiple of {2 * len(impls)} does (call order moves short shapes' figures)")
         save()
         total = len(args.shape_list)
         for i, shape in enumerate(args.shape_list, 1):
@@ -271,16 +274,19 @@ def append_markdown(section: str, path: Path) -> Path:
 
 def _source_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", type=Path, help="a results file (or --latest)")
-    p.add_argument("--latest", action="store_true", help="the latest results file of --dir (by its timestamp)")
+    p.add_argument("--latest", action="store_true", help="the latest results file of --dir (by its timestamp; "
+                   "render: of a run with peers, ab: of one with --baseline)")
     p.add_argument("--dir", type=Path, default=None, help="results folder (default bench/results/ of the checkout)")
     p.add_argument("--gpu", default=None, help="with --latest: the latest of this GPU (e.g. 'NVIDIA H200')")
 
 
-def _source(p: argparse.ArgumentParser, args) -> dict:
+def _source(p: argparse.ArgumentParser, args, timing: str) -> dict:
+    """The results file named, or with --latest the latest of the folder that timed ``timing``
+    ('peers': the current figures; 'checkouts': an A/B)."""
     if (args.file is None) == (not args.latest):
         p.error("give a results file or --latest (one of them)")
     try:
-        path = args.file or results.latest_result(args.dir or results.default_results_dir(), args.gpu)
+        path = args.file or results.latest_result(args.dir or results.default_results_dir(), args.gpu, timing)
         return results.load_result(path)
     except ValueError as exc:
         p.error(str(exc))
@@ -298,7 +304,7 @@ def render_main(argv) -> int:
                    help=f"replace what lies between the markers in FILE ({render.BEGIN_MARKER} ... "
                         f"{render.END_MARKER}) instead of printing")
     args = p.parse_args(argv)
-    result = _source(p, args)
+    result = _source(p, args, timing="peers")
     if not args.heading or set(args.heading) != {"#"}:
         p.error(f"--heading: expected one or more '#', got {args.heading!r}")
     section = render.render_text(result) if args.text else render.render_markdown(result, args.heading)
@@ -322,7 +328,7 @@ def ab_main(argv) -> int:
     p.add_argument("--aa", default=None, help="the old side's second copy (default: the run's --aa one)")
     p.add_argument("--text", action="store_true", help="terminal tables instead of markdown")
     args = p.parse_args(argv)
-    result = _source(p, args)
+    result = _source(p, args, timing="checkouts")
     try:
         old = args.old or render.default_ab_names(result)[0]
         if old is None:

@@ -63,6 +63,18 @@ def round_order(count: int, round_index: int) -> list[int]:
     return order[::-1] if round_index % 2 else order
 
 
+def positions_balanced(rounds: int, count: int) -> bool:
+    """Whether ``rounds`` rounds of `round_order` give each of ``count`` implementations every
+    position equally often (any multiple of 2 x count does). Call order moves a short shape's
+    figure (a round's outer calls against its inner ones, docs/experiments.md), so an A/B whose
+    rounds are not balanced leans on where each tree happened to run."""
+    taken = [[0] * count for _ in range(count)]  # [implementation][position]
+    for r in range(rounds):
+        for position, implementation in enumerate(round_order(count, r)):
+            taken[implementation][position] += 1
+    return all(len(set(row)) == 1 for row in taken)
+
+
 def _within(context):
     return context() if context is not None else contextlib.nullcontext()
 

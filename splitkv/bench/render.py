@@ -303,6 +303,10 @@ def render_ab(result: dict, old: str | None = None, new: str | None = None, aa: 
                  + ("" if aa else " (not run: no --aa)") + f"; ok = within max({AB_SLACK:.0%}, A/A) of the old "
                  "median or faster (serving, flush); eager must be faster; outputs = whether the two trees' "
                  "outputs of the same inputs are the same bits.")
+    unbalanced = [e["label"] for e in result.get("shapes", []) if e.get("positions_balanced") is False]
+    if unbalanced:
+        lines.append(f"Positions not balanced on {len(unbalanced)} shapes: their rounds did not give each "
+                     "implementation every position equally often (a multiple of twice the implementations does).")
     return "\n".join(lines) + "\n"
 
 

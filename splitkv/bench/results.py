@@ -136,9 +136,13 @@ def load_result(path: Path) -> dict:
     return data
 
 
-def latest_result(directory: Path, gpu: str | None = None) -> Path:
+def latest_result(directory: Path, gpu: str | None = None, timing: str | None = None) -> Path:
     """The results file of schema 2 in ``directory`` with the latest ``timestamp`` (the file's own
-    record: a checkout's file times say nothing), of the GPU named ``gpu`` when given."""
+    record: a checkout's file times say nothing), of the GPU named ``gpu`` when given, and with
+    ``timing`` 'peers' or 'checkouts' of a run that timed peers (the current figures) or another
+    checkout (an A/B)."""
+    if timing not in (None, "peers", "checkouts"):
+        raise ValueError(f"timing: expected None, 'peers' or 'checkouts', got {timing!r}")
     best = None
     for path in sorted(Path(directory).glob("*.json")):
         try:
@@ -147,12 +151,21 @@ def latest_result(directory: Path, gpu: str | None = None) -> Path:
             continue
         if gpu and data.get("gpu", {}).get("name") != gpu:
             continue
+        if timing is not None and not _times(data, "splitkv" if timing == "checkouts" else "peer"):
+            continue
         key = (str(data.get("timestamp", "")), path.name)
         if best is None or key > best[0]:
             best = (key, path)
     if best is None:
         raise ValueError(f"{directory}: no results file of schema {SCHEMA}" + (f" for {gpu}" if gpu else ""))
     return best[1]
+
+
+def _times(result: dict, kind: str) -> bool:
+    """Whether the run timed a peer (``kind`` 'peer') or another checkout of splitkv beside this
+    tree ('splitkv': ``--baseline``)."""
+    return any(impl.get("kind") == kind and (kind != "splitkv" or impl.get("tree") not in (None, "this"))
+               for impl in (result.get("implementations") or {}).values())
 
 
 #: What the files of one sweep must share to be merged.

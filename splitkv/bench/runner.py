@@ -12,7 +12,7 @@ from .cases import floor_case, reason, splitkv_case
 from .inputs import Layers
 from .overrides import builtin_spec, spec_for_shape, spec_label
 from .peers import PEER_NAMES, PEER_SETUPS
-from .protocols import Settings, prepare, run_rounds, summary
+from .protocols import Settings, positions_balanced, prepare, run_rounds, summary
 from .shapes import Shape, serving_layers
 
 
@@ -98,6 +98,7 @@ def bench_shape(shape: Shape, impls: list, harness, settings: Settings, seed: in
             prepared.append(ready)
     run_rounds(prepared, harness, settings)
     entry["order"] = [p.name for p in prepared]  # round 0's; `protocols.round_order` gives the rest
+    entry["positions_balanced"] = positions_balanced(settings.rounds, len(prepared))
     for p in prepared:
         entry["implementations"][p.name]["protocols"] = summary(p, settings.protocols)
     floor = entry["implementations"].get("floor", {}).get("protocols", {})

@@ -63,6 +63,9 @@ def _csv(kind):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from splitkv.autotune.cli import add_arguments
+    from splitkv.autotune.flags import path_arg
+
     p = argparse.ArgumentParser(
         prog="splitkv-gen",
         description="Render and compile splitkv's decode kernels for one GPU architecture.\n"
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: contiguous caches, the default)")
     p.add_argument("--layout", dest="kv_layout", choices=["NHD", "HND"], default="NHD",
                    help="the axis order of a page for --page-size (default NHD)")
-    p.add_argument("--emit", type=Path, metavar="DIR",
+    p.add_argument("--emit", type=path_arg, metavar="DIR",
                    help="write <name>.cu and <name>.cubin of every kernel built into DIR")
     p.add_argument("--list", action="store_true", help="list the kernel names only; compile nothing")
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
@@ -91,8 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true",
                    help="measure candidate CTA shapes on this GPU (Optuna) and write the winners to a tuned table")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    from splitkv.autotune.cli import add_arguments
-
     add_arguments(p)
     return p
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from .. import spec as spec_module
 from ..tuned.keys import BUCKETS, TuneKey, parse_bucket
 from ..tuned.lookup import COST_MODEL_GPU
+from .flags import bucket_names, path_arg
+from .flags import check as check_flags
 from .tuning import TuneRun
 from .workers import WORKER_FLAG
 
@@ -57,10 +59,10 @@ def add_arguments(p) -> None:
                    help="one worker process per listed GPU (a GPU listed twice runs two workers); needs --storage")
     g.add_argument("--bucket", dest="buckets", action="append", metavar="NAME,...",
                    help="workload buckets, e.g. b1-l32k (default: " + ",".join(b.name for b in BUCKETS) + ")")
-    g.add_argument("--out", type=Path, default=None, metavar="DIR",
+    g.add_argument("--out", type=path_arg, default=None, metavar="DIR",
                    help="write the table under DIR/<arch>/ (default: the package's tuned_configs)")
-    g.add_argument("--report", type=Path, default=None, metavar="DIR", help="write plots and a markdown summary to DIR")
-    g.add_argument("--report-from", type=Path, default=None, metavar="TABLE",
+    g.add_argument("--report", type=path_arg, default=None, metavar="DIR", help="write plots and a markdown summary to DIR")
+    g.add_argument("--report-from", type=path_arg, default=None, metavar="TABLE",
                    help="write --report DIR from TABLE's entries and the trials in --storage, measuring nothing "
                         "(no GPU needed): the report of a run stopped before it wrote one")
     g.add_argument("--exhaustive", action="store_true",
@@ -91,15 +93,16 @@ def run_description(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, 
     for flag, given in (("--emit", args.emit is not None), ("--list", args.list)):
         if given:  # they name the built-in programs to compile; a tuning run compiles its candidates
             parser.error(f"{flag} does not go with --tune")
+    names = bucket_names(parser, args.buckets)
     try:
-        buckets = [parse_bucket(b.strip()) for group in (args.buckets or []) for b in group.split(",") if b.strip()] \
-            or list(BUCKETS)
+        buckets = [parse_bucket(name) for name in names] if names else list(BUCKETS)
     except ValueError as e:
         parser.error(f"--{e}")
     if arch != f"sm_{spec_module.arch_number(arch)}":
         parser.error(f"--arch: tune {arch.rstrip('a')}, not {arch}: the runtime looks tables up by the GPU's "
                      f"compute capability, and arch-specific programs are not tuned separately")
     keys = keys_for(arch, head_dims, group_sizes, kv_dtypes, page_sizes, args.kv_layout)
+    check_flags(args, parser, keys, buckets)
     return TuneRun(arch=arch, keys=tuple(keys), buckets=tuple(buckets), trials=args.trials, iters=args.iters,
                    seed=args.seed, timeout=args.timeout, storage=args.storage, study_prefix=args.study,
                    out=args.out, report=args.report, exhaustive=bool(args.exhaustive),

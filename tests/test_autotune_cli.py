@@ -33,6 +33,7 @@ def test_cli_tunes_with_the_cost_model(tmp_path, capsys):
     assert cli.main(argv) == 0
     stdout = capsys.readouterr().out
     assert "speedup" in stdout and KEY.label in stdout and "b1-l2k" in stdout
+    assert "a dry run: every µs above is the cost model's prediction" in stdout
     table = tables.load(out / "sm_90" / "cost_model.yaml")
     (e,) = table.entries
     assert (e.key, e.bucket.name, e.trials) == (KEY, "b1-l2k", 12) and e.tuned_us <= e.default_us

@@ -31,7 +31,8 @@ from ..tuned.keys import TuneKey
 from ..tuned.tables import CURRENT_PLANNER, Entry
 from .confirm import MARGIN, beats_built_in, confirm
 from .objective import ContextLost, TrialFailed
-from .tuning import EXIT_CONTEXT_LOST, TuneRun, compile_jobs, header, progress_bar
+from .progress import progress_bar
+from .tuning import EXIT_CONTEXT_LOST, TuneRun, compile_jobs, header
 from .writing import save, today
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..tuned.keys import Bucket, TuneKey
 from .objective import ContextLost, TrialFailed
+from .progress import progress_bar
 from .versions import code_version, planner_version, study_name
 
 #: Exit status when a candidate left the GPU unusable (EX_TEMPFAIL: run it again to go on).
@@ -277,6 +278,8 @@ def tune_all(run: TuneRun, gpu: dict) -> int:
     from .report import format_summary
 
     print(format_summary([o.entry for o in outcomes], [o.seconds for o in outcomes]))
+    if run.cost_model:
+        print("(a dry run: every µs above is the cost model's prediction; nothing was measured on a GPU)")
     path = table_path(run, gpu)
     if path is not None and outcomes:
         write_entries(run, gpu, [o.entry for o in outcomes])  # outcomes read back may come from another --out
@@ -382,13 +385,3 @@ class Bars:
         for b in self.bars:
             b.update(n)
 
-
-def progress_bar(enabled: bool, **kwargs):
-    """A tqdm bar on stderr, or None (not enabled, or no tqdm)."""
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm comes with Optuna; without it, no bars
-        return None
-    return tqdm(file=sys.stderr, dynamic_ncols=True, **kwargs)

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from .objective import ContextLost
+from .progress import progress_bar
 from .tuning import (EXIT_CONTEXT_LOST, WORKER_ENV, TableUnwritable, TuneRun, compile_jobs, context_lost,
-                     open_run_study, progress_bar, tune_key)
+                     open_run_study, tune_key)
 
 #: The flag a worker's command line carries (hidden from --help).
 WORKER_FLAG = "--tune-worker"

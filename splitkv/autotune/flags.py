@@ -132,7 +132,7 @@ def _journal_problem(path: Path) -> str | None:
         if first.strip() and not _is_journal_record(first):
             return (f"{path} exists and is not an Optuna journal (its first line is not a journal record); "
                     f"give a new file, or the journal of an earlier run to resume it")
-        if not os.access(path, os.W_OK):
+        if not _writable(path):
             return f"cannot write to {path}"
         return None
     return _unwritable_folder(path.parent)

@@ -5,6 +5,7 @@ Public API: `decode` (one call), `DecodeAttention` (plan once per step, run once
 `quantize_kv` (BF16/FP16 K/V into FP8 E4M3 or NVFP4; formats in `splitkv.kv_formats`).
 """
 
+from .gpu import GpuUnavailableError
 from .plan import SplitPlan, plan_splits
 from .quantize import NonFiniteInputError, QuantizedKV, quantize_kv
 from .oneshot import decode
@@ -12,5 +13,5 @@ from .runtime import DecodeAttention
 from .spec import KernelSpec, MergeSpec, QuantizeSpec
 
 __version__ = "0.1.0"
-__all__ = ["DecodeAttention", "KernelSpec", "MergeSpec", "NonFiniteInputError", "QuantizeSpec", "QuantizedKV",
+__all__ = ["DecodeAttention", "GpuUnavailableError", "KernelSpec", "MergeSpec", "NonFiniteInputError", "QuantizeSpec", "QuantizedKV",
            "SplitPlan", "__version__", "decode", "plan_splits", "quantize_kv"]

@@ -93,7 +93,7 @@ def describe(x: Any, name: str, *, bf16_from_uint16: bool = False) -> TensorInfo
     if isinstance(x, np.ndarray) or (hasattr(x, "__array_interface__")
                                      and not hasattr(x, "__cuda_array_interface__")):
         raise TypeError(f"{name}: must be on a CUDA device; got a host array ({type(x).__name__}); "
-                        f"expected {_ACCEPTED}")
+                        f"expected {_ACCEPTED}{_no_gpu_note()}")
     if _is_cupy(x):
         return _describe_cupy(x, name, bf16_from_uint16)
     if hasattr(x, "__cuda_array_interface__"):
@@ -102,7 +102,15 @@ def describe(x: Any, name: str, *, bf16_from_uint16: bool = False) -> TensorInfo
         device = _dlpack_cuda_device(x, name)
         info = _describe_cupy(_cupy_from_dlpack(x), name, bf16_from_uint16)
         return TensorInfo(info.ptr, info.shape, info.strides, info.dtype, device, "dlpack", itemsize=info.itemsize)
-    raise TypeError(f"{name}: expected {_ACCEPTED}; got {type(x).__name__}")
+    raise TypeError(f"{name}: expected {_ACCEPTED}; got {type(x).__name__}{_no_gpu_note()}")
+
+
+def _no_gpu_note() -> str:
+    """For the error of an array that is not on a GPU: what is wrong when this machine has none."""
+    from .gpu import unavailable_reason
+
+    reason = unavailable_reason()
+    return "" if reason is None else f" (and there is no usable CUDA GPU here: {reason})"
 
 
 def _is_torch(x: Any) -> bool:
@@ -116,7 +124,7 @@ def _is_cupy(x: Any) -> bool:
 
 def _describe_torch(x: Any, name: str) -> TensorInfo:
     if x.device.type != "cuda":
-        raise TypeError(f"{name}: must be on a CUDA device; got a torch tensor on '{x.device}'")
+        raise TypeError(f"{name}: must be on a CUDA device; got a torch tensor on '{x.device}'{_no_gpu_note()}")
     dtype = str(x.dtype)
     return TensorInfo(ptr=int(x.data_ptr()), shape=tuple(x.shape), strides=tuple(x.stride()),
                       dtype=_TORCH_DTYPES.get(dtype, dtype.removeprefix("torch.")),

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from . import arrays, planning, streams, tensors
+from . import arrays, gpu, planning, streams, tensors
 from .heuristics import (default_spec, few_splits_max_bytes, resident_ctas_per_sm, saturating_ctas,
                          takes_whole_row_clusters)
 from .launch import MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart, read_arrays
@@ -119,6 +119,9 @@ class DecodeAttention:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group_size = num_qo_heads // num_kv_heads
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+        if device is not None and (isinstance(device, bool) or not isinstance(device, numbers.Integral)):
+            raise TypeError(f"device: expected a CUDA device ordinal (int) or None, got {device!r}")
+        gpu.require_gpu(None if device is None else int(device))
         device = cupy.cuda.Device(device)  # None: CuPy's current device
         self.device = device.id
         self.arch = "sm_" + device.compute_capability

@@ -78,18 +78,11 @@ def _require_gpu() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _no_gpu_reason() -> str | None:
-    """None when a CUDA device is usable, else why not. Asked once, and only when a GPU test runs."""
-    try:
-        import cupy
-    except Exception as e:  # ImportError, or a CuPy build that cannot find its CUDA libraries
-        return f"CuPy is not importable ({type(e).__name__}: {e})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # CUDARuntimeError without a driver or device
-        return f"no usable CUDA device (cupy.cuda.runtime.getDeviceCount() raised {type(e).__name__}: {e})"
-    if count == 0:
-        return "no CUDA device (cupy.cuda.runtime.getDeviceCount() returned 0)"
-    return None
+    """None when a CUDA device is usable, else why not (splitkv's own reason: no driver, a driver
+    older than CuPy's runtime, no device). Asked once, and only when a GPU test runs."""
+    from splitkv.gpu import unavailable_reason
+
+    return unavailable_reason()
 
 
 def _under_gpu_dir(path) -> bool:

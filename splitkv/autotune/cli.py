@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 from .. import spec as spec_module
+from ..gpu import unavailable_reason
 from ..tuned.keys import BUCKETS, TuneKey, parse_bucket
 from ..tuned.lookup import COST_MODEL_GPU
 from .flags import bucket_names, path_arg
@@ -139,14 +139,15 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
     if args.report_from is not None:
         return _report_from(tune, args.report_from)
     if several and not tune.cost_model:  # this process confirms the winners on the first listed GPU
+        for device in devices:  # every worker's GPU, before any worker starts
+            reason = unavailable_reason(device)
+            if reason is not None:
+                print(f"splitkv-gen: --devices {args.devices}: GPU {device} is not usable here: {reason}",
+                      file=sys.stderr)
+                return 2
         import cupy
 
-        try:
-            cupy.cuda.Device(devices[0]).use()
-        except Exception as e:  # noqa: BLE001 - no driver, no such device
-            print(f"splitkv-gen: --devices {args.devices}: GPU {devices[0]} is not usable here "
-                  f"({type(e).__name__}: {e})", file=sys.stderr)
-            return 2
+        cupy.cuda.Device(devices[0]).use()
     gpu = _check_gpu(arch, tune.cost_model)
     if isinstance(gpu, int):
         return gpu
@@ -245,6 +246,11 @@ def _check_gpu(arch: str, cost_model: bool):
     """The local GPU's name, SM count, versions; an exit status when it is not of ``arch``."""
     if cost_model:
         return dict(name=COST_MODEL_GPU, sm_count=132, cuda_runtime="n/a", nvrtc="n/a")
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"splitkv-gen: --tune measures on a GPU of {arch}, and none is usable here: {reason} "
+              f"(--cost-model tunes without one, on predicted figures)", file=sys.stderr)
+        return 2
     try:
         from ..timing import gpu_info
 

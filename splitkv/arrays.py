@@ -20,6 +20,7 @@ otherwise a legitimate array of integers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,9 @@ def _describe_cai(cai: dict, name: str, bf16_from_uint16: bool) -> TensorInfo:
         # Version 3 forbids 0, which could mean either default stream: 1 is the legacy one.
         raise ValueError(f"{name}: __cuda_array_interface__ 'stream' must be None or a stream handle other "
                          f"than 0 (1: legacy default, 2: per-thread default); got {stream!r}")
+    if int(data[0]) == 0 and math.prod(shape) > 0:  # the interface allows 0 for empty arrays only
+        raise ValueError(f"{name}: __cuda_array_interface__ data pointer is 0 (a null pointer) for a shape "
+                         f"{shape} array holding {math.prod(shape)} elements")
     return TensorInfo(ptr=int(data[0]), shape=shape,
                       strides=_cai_element_strides(cai.get("strides"), shape, dtype.itemsize, name),
                       dtype=_numpy_dtype_name(dtype, bf16_from_uint16), device=None, kind="cai",
@@ -419,7 +423,7 @@ def new_output(q: Any, *, lse: bool = False, stream: int | None = None):
         dtype = q.dtype  # uint16, float16, or ml_dtypes' bfloat16: whatever the caller keeps bf16 in
     else:
         dtype = _CUPY_CARRIERS.get(info.dtype, cupy.float16)  # a bad q fails validation
-    with cupy.cuda.Device(info.device if info.device is not None else cupy.cuda.Device().id):
+    with cupy.cuda.Device(info.device):  # None: the current one
         return cupy.empty(info.shape[:2] if lse else info.shape, dtype=dtype)
 
 

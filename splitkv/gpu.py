@@ -67,3 +67,14 @@ def require_gpu(device: int | None = None) -> None:
     reason = unavailable_reason(device)
     if reason is not None:
         raise GpuUnavailableError(f"no usable CUDA GPU: {reason}")
+
+
+def current_device() -> int:
+    """CuPy's current device, for inputs that do not say theirs (``__cuda_array_interface__``);
+    `GpuUnavailableError` rather than CuPy's error where there is no usable GPU."""
+    runtime = _cuda_runtime()
+    try:
+        return runtime.getDevice()
+    except runtime.CUDARuntimeError:
+        require_gpu()  # says what is missing
+        raise

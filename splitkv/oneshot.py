@@ -10,9 +10,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import numpy as np
-
-from . import arrays, streams, tensors
+from . import arrays, gpu, streams, tensors
 from .launch import read_arrays
 from .runtime import DecodeAttention
 from .spec import KV_LAYOUTS
@@ -41,6 +39,7 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
     """
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
+    return_lse = tensors.check_flag(return_lse, "return_lse")
     paging = block_table is not None
     if kv_layout != "NHD" and not paging:  # a contiguous cache is [B, L, Hkv, D]: NHD only
         raise ValueError(f"kv_layout: {kv_layout!r} is a page layout and needs a block_table; a contiguous "
@@ -54,7 +53,7 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
     with streams.on_device(device):
         launch_stream = arrays.stream_ptr(qi, stream)
         if seq_lens is None:
-            seq_lens = np.full(shapes.batch, shapes.max_len, dtype=np.int32)
+            seq_lens = tensors.check_seq_lens(None, shapes.batch, shapes.max_len)
         elif tensors.is_device_array(seq_lens):
             # Read back here (decode() plans on every call anyway), so that the lengths are checked
             # against this batch and cache like host ones, and the plan keeps its own copy rather
@@ -104,9 +103,7 @@ def _describe(q, k, v, cache_layout: str | None, layout: tuple | None) -> tuple:
         return held
     qi, ki, vi = _infos(q, k, v, cache_layout)
     shapes = tensors.check_decode_inputs(qi, ki, vi, kv_layout=cache_layout)
-    import cupy
-
-    held = (shapes, qi.device if qi.device is not None else cupy.cuda.Device().id, qi)
+    held = (shapes, qi.device if qi.device is not None else gpu.current_device(), qi)
     if key is not None:
         with _instances_lock:
             _described[key] = held

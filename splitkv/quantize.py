@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from . import arrays, kv_formats, streams, tensors
+from . import arrays, gpu, kv_formats, streams, tensors
 from .paged import check_layout
 from .quantized_kv import QuantizedKV
 from .spec import QUANTIZE_IN_DTYPES, QuantizeSpec
@@ -74,7 +74,7 @@ def quantize_kv(x, kv_dtype: str, *, scale=None, per_head: bool = False, out: Qu
     qspec = QuantizeSpec(head_dim=head_dim, in_dtype=info.dtype, kv_format=kv_dtype)  # validates head_dim
     import cupy
 
-    device = info.device if info.device is not None else cupy.cuda.Device().id
+    device = info.device if info.device is not None else gpu.current_device()
     # Compiled for the GPU it runs on (an sm_90 cubin loads on no other arch).
     qspec = dataclasses.replace(qspec, arch="sm_" + cupy.cuda.Device(device).compute_capability)
     with streams.on_device(device):

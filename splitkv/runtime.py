@@ -121,11 +121,14 @@ class DecodeAttention:
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
         if device is not None and (isinstance(device, bool) or not isinstance(device, numbers.Integral)):
             raise TypeError(f"device: expected a CUDA device ordinal (int) or None, got {device!r}")
-        gpu.require_gpu(None if device is None else int(device))
-        device = cupy.cuda.Device(device)  # None: CuPy's current device
-        self.device = device.id
-        self.arch = "sm_" + device.compute_capability
-        self.num_sms = device.attributes["MultiProcessorCount"]
+        try:
+            device = cupy.cuda.Device(device)  # None: CuPy's current device
+            self.device = device.id
+            self.arch = "sm_" + device.compute_capability
+            self.num_sms = device.attributes["MultiProcessorCount"]
+        except cupy.cuda.runtime.CUDARuntimeError:
+            gpu.require_gpu(None if device is None else int(device))  # says what is missing
+            raise
         layout = (head_dim, self.group_size, q_dtype, kv_dtype)
         for name, given in (("spec", spec), ("dense_spec", dense_spec)):
             if given is not None and (given.head_dim, given.group_size, given.q_dtype, given.kv_dtype) != layout:
@@ -443,6 +446,8 @@ class DecodeAttention:
         launch = self._launch
         if launch is None:
             raise RuntimeError("run() before plan(): call plan(seq_lens) first")
+        if return_lse.__class__ is not bool:  # one comparison on the hot path; the rest checks
+            return_lse = tensors.check_flag(return_lse, "return_lse")
         if out is None or (return_lse and lse is None) or self._cuda.getDevice() != self.device:
             return self._run_allocating(launch, q, k, v, out, lse, return_lse, stream)
         self._enqueue(launch, q, k, v, out, lse, arrays.launch_stream(q, stream, self.device),

@@ -267,6 +267,9 @@ def check_seq_lens(seq_lens: Any, batch: int, max_len: int | None) -> np.ndarray
     as is and returns None: its values stay on the device, and whoever must plan reads them back.
     """
     if seq_lens is None:
+        if max_len > _INT32_MAX:  # np.full would raise NumPy's OverflowError
+            raise ValueError(f"seq_lens: None reads every sequence as k.shape[1] = {max_len} tokens, above the "
+                             f"{_INT32_MAX} the programs index with int32; give the lengths")
         return np.full(batch, max_len, dtype=np.int32)
     if isinstance(seq_lens, TensorInfo) or is_device_array(seq_lens):
         _check_device_seq_lens(describe(seq_lens, "seq_lens"), batch)
@@ -322,6 +325,8 @@ def plan_lengths(seq_lens: Any, max_len: Any, on_device: bool, device: int) -> n
         raise ValueError(f"seq_lens: expected a non-empty 1-D sequence of lengths, got shape {host.shape}")
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral)):
         raise TypeError(f"max_len: expected None or an int, got {max_len!r}")
+    if max_len is not None and max_len < 0:
+        raise ValueError(f"max_len: expected None or a bound of 0 or more tokens, got {max_len!r}")
     return check_seq_lens(host, host.size, None if max_len is None else int(max_len))
 
 
@@ -342,6 +347,14 @@ def check_device(name: str, info: TensorInfo, device: int | None, owner: str) ->
 
 
 _LOG2E = 1.4426950408889634
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` as a bool: True, False or a NumPy bool; TypeError naming it otherwise (a truthy string
+    or number would silently change what a call returns)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name}: expected True or False, got {value!r}")
 
 
 def check_sm_scale(sm_scale: Any) -> float | None:

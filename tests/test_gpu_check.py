@@ -78,6 +78,11 @@ def test_a_usable_machine(monkeypatch):
 
 
 def test_decode_attention_says_there_is_no_gpu(monkeypatch):
+    import cupy
+
+    def no_driver(ordinal=None):
+        raise cupy.cuda.runtime.CUDARuntimeError(35)  # cudaErrorInsufficientDriver, as CuPy raises it here
+    monkeypatch.setattr(cupy.cuda, "Device", no_driver)
     _machine(monkeypatch, driver=0)
     with pytest.raises(splitkv.GpuUnavailableError, match="no NVIDIA driver is installed"):
         splitkv.DecodeAttention(num_qo_heads=8, num_kv_heads=1, head_dim=128)

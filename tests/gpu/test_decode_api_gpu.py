@@ -173,6 +173,28 @@ def test_bad_inputs_raise():
         splitkv.decode(q, k[:, :, :, :64], k[:, :, :, :64], [1, 2])
     with pytest.raises(ValueError, match="v"):
         splitkv.decode(q, k, k[:, ::2], [1, 2])
+    with pytest.raises(TypeError, match="return_lse: expected True or False, got 1"):
+        splitkv.decode(q, k, k, [1, 2], return_lse=1)
+    attn = DecodeAttention(8, 2, 128)
+    attn.plan([1, 2])
+    out = cupy.empty_like(q)
+    with pytest.raises(TypeError, match="return_lse: expected True or False, got 'no'"):
+        attn.run(q, k, k, out=out, return_lse="no")
+    with pytest.raises(ValueError, match="max_len: expected None or a bound of 0 or more tokens, got -1"):
+        attn.plan([1, 2], max_len=-1)
+
+
+def test_a_cache_past_int32_without_lengths_is_refused():
+    """A K/V cache claiming 2**31 tokens per sequence (only its interface: nothing that size is
+    allocated) with seq_lens=None: the lengths would not fit int32, and the error says so."""
+    q, _ = random_values((1, 8, 128), "bf16", fresh_seed(3))
+    real = cupy.zeros(16, dtype=cupy.uint16)
+
+    class Huge:
+        __cuda_array_interface__ = {"shape": (1, 2**31, 1, 128), "typestr": "<V2", "version": 3,
+                                    "data": (real.data.ptr, False), "strides": None}
+    with pytest.raises(ValueError, match=r"seq_lens: None reads every sequence as k.shape\[1\] = 2147483648"):
+        splitkv.decode(q, Huge(), Huge())
 
 
 def test_layout_cache_still_checks_alignment_and_foreign_lse():

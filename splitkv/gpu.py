@@ -45,7 +45,7 @@ def unavailable_reason(device: int | None = None) -> str | None:
     if driver == 0:
         return ("no NVIDIA driver is installed or loadable here (libcuda.so.1 not found); splitkv runs its "
                 "programs on an NVIDIA GPU (compiling them needs none: splitkv-gen --arch ...)")
-    if driver < needed:
+    if driver // 1000 < needed // 1000:  # within a major version, an older driver runs a newer runtime
         return (f"the NVIDIA driver supports CUDA up to {_cuda_version(driver)}, older than the CUDA "
                 f"{_cuda_version(needed)} runtime CuPy was built for; update the driver, or install the "
                 f"extra of the driver's CUDA major version (e.g. splitkv[cu{driver // 1000}])")

@@ -71,6 +71,11 @@ def test_a_device_past_the_count(monkeypatch):
     assert gpu.unavailable_reason(2) == "device 2 does not exist: the CUDA driver sees 2 (0..1)"
 
 
+def test_an_older_driver_of_the_same_major_version_is_usable(monkeypatch):
+    _machine(monkeypatch, driver=13000, runtime=13020)  # CUDA's minor version compatibility
+    assert gpu.unavailable_reason() is None
+
+
 def test_a_usable_machine(monkeypatch):
     _machine(monkeypatch, driver=13020, runtime=13000, devices=8)
     assert gpu.unavailable_reason() is None

@@ -4,7 +4,10 @@
 // Partial i of a row holds O_i, the softmax-weighted V over its token range already divided by its
 // own sum, and lse2_i = log2 of that sum of 2^(logit * log2 e). With m = max_i lse2_i:
 //   O = sum_i 2^(lse2_i - m) O_i / sum_i 2^(lse2_i - m),   lse = (m + log2 sum_i 2^(lse2_i - m)) ln 2.
-// Rows whose partials are all empty (lse2 = -inf) give O = 0 and lse = -inf.
+// Non-finite inputs follow the float64 math: a NaN partial (a NaN score or value in its range) makes
+// the row NaN (the max propagates it), and so does a sum of 0. A merged row has tokens in every
+// split it merges (splits_used > 1 needs a length past one split), so its sum is 0 only when every
+// score was -inf, where the math gives NaN too (-inf - -inf).
 #pragma once
 #include "primitives.cuh"
 
@@ -54,8 +57,8 @@ __device__ __forceinline__ void merge_row_span(const float* __restrict__ partial
         float part[BATCH][PER_LANE];
         load_partials(part, base, 0, count);
         float group_max = lse_lane;
-        for (int off = 16; off > 0; off >>= 1) group_max = fmaxf(group_max, __shfl_xor_sync(0xffffffffu, group_max, off));
-        const float m_new = fmaxf(m, group_max);
+        for (int off = 16; off > 0; off >>= 1) group_max = fmax_nan(group_max, __shfl_xor_sync(0xffffffffu, group_max, off));
+        const float m_new = fmax_nan(m, group_max);
         if (m_new == -INFINITY) continue;  // every split so far is empty (warp-uniform)
         const float rescale = exp2_approx(m - m_new);  // 2^-inf = 0 on the first non-empty group
         const float w_lane = exp2_approx(lse_lane - m_new);
@@ -77,7 +80,7 @@ __device__ __forceinline__ void merge_row_span(const float* __restrict__ partial
             }
         }
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
+    const float inv = total != 0.f ? 1.f / total : NAN;  // NaN total: NaN, as are acc and m
     const size_t out_row = (size_t)batch_idx * num_qo_heads + head;
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j) {
@@ -85,7 +88,7 @@ __device__ __forceinline__ void merge_row_span(const float* __restrict__ partial
         if (d < d_end) out[out_row * HEAD_DIM + d] = Elem<out_t>::from_float(acc[j] * inv);
     }
     if (lse != nullptr && lane == 0 && d_begin == 0)
-        lse[out_row] = total > 0.f ? (m + __log2f(total)) * 0.69314718055994531f : -INFINITY;
+        lse[out_row] = total != 0.f ? (m + __log2f(total)) * 0.69314718055994531f : NAN;
 }
 
 // One warp merges the whole row (b, head).

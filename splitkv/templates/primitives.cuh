@@ -8,6 +8,9 @@
 #ifndef INFINITY  // NVRTC has no <cmath>
 #define INFINITY __int_as_float(0x7f800000)
 #endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fffffff)
+#endif
 
 namespace splitkv {
 
@@ -143,6 +146,14 @@ __device__ __forceinline__ int atomic_add_acq_rel_gpu(int* address, int value) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(address), "r"(value) : "memory");
     return old;
+}
+
+// max(a, b), NaN when either is NaN (fmaxf drops a NaN): the merges' max over log-sum-exps, so that
+// a row whose partials are all NaN stays NaN rather than reading as empty.
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float y;
+    asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
+    return y;
 }
 
 // 2^x on the special-function unit; 2^-inf = +0, which the online softmax relies on.

@@ -15,7 +15,18 @@ struct ResultTarget {
     int* counters;
     int num_kv_heads, num_qo_heads, num_splits;
     int batch_idx, kv_head;  // (the warp and lane: see lane_id)
+    // The CTA's tokens end past token 0. A CTA that writes a final result starts at token 0 (a
+    // dense row, split 0, a whole-row unit), so this says whether its sequence has tokens.
+    bool row_has_tokens;
 };
+
+// What a result whose softmax sum is 0 holds, when it is final (partials with a sum of 0 are empty:
+// zeros that weigh nothing). A sequence of length 0 gives zeros and lse -inf; one with tokens sums
+// to 0 only when all its scores are -inf, and the float64 math gives NaN there (-inf - -inf), as it
+// does for a NaN score or value, whose NaN sums propagate on their own (the tests compare with
+// `l != 0`, which a NaN passes, never `l > 0`).
+__device__ __forceinline__ float final_empty(const ResultTarget& at) { return at.row_has_tokens ? NAN : 0.f; }
+__device__ __forceinline__ float final_empty_lse(const ResultTarget& at) { return at.row_has_tokens ? NAN : -INFINITY; }
 
 // The warps' states have been stored into the shared memory at `smem` (WarpStates); `split`,
 // `splits_used`: the CTA's split and the row's splits in use; `partial_slot`: units, the slot of a
@@ -47,11 +58,12 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
                 l += weight * warp_l[w * 16 + row];
             }
             row_l[row] = l;
-            row_lse2[row] = l > 0.f ? m + __log2f(l) : -INFINITY;
+            row_lse2[row] = l != 0.f ? m + __log2f(l) : -INFINITY;
         }
     };
-    // The CTA's normalised result for output element idx (row idx / HEAD_DIM), from the combined states.
-    auto cta_value_of = [&](WarpStates states, int idx) {
+    // The CTA's normalised result for output element idx (row idx / HEAD_DIM), from the combined
+    // states; `empty` where the row's sum is 0.
+    auto cta_value_of = [&](WarpStates states, int idx, float empty) {
         const float* weight = states.m();
         const float* row_l = states.row_l();
         const float* warp_o = states.o();
@@ -60,13 +72,13 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) acc += weight[w * 16 + row] * warp_o[(size_t)w * GROUP * HEAD_DIM + idx];
         const float l = row_l[row];
-        return l > 0.f ? __fdividef(acc, l) : 0.f;  // branch-free: see the warp_heads epilogue
+        return l != 0.f ? __fdividef(acc, l) : empty;  // branch-free: see the warp_heads epilogue
     };
     // The CTA's fp32 partial of row (b, h) from the combined `states`, into slot `slot`.
     auto write_partial = [&](int b, int h, int slot, WarpStates states) {
         const size_t slot_row0 = ((size_t)b * num_splits + slot) * num_qo_heads + (size_t)h * GROUP;
         for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
-            partial_o[slot_row0 * HEAD_DIM + idx] = cta_value_of(states, idx);
+            partial_o[slot_row0 * HEAD_DIM + idx] = cta_value_of(states, idx, 0.f);
         if (threadIdx.x < GROUP) partial_lse[slot_row0 + threadIdx.x] = states.row_lse2()[threadIdx.x];
     };
     // Counts the CTA on row (b, h)'s merge counter `which`, once its partials are written. True for
@@ -108,19 +120,19 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
             const int idx = threadIdx.x + i * WARPS * 32;
             const int w = idx / (GROUP * HEAD_DIM), row = idx / HEAD_DIM % GROUP;
             const float l = combined.l()[w * 16 + row];
-            out[first_row * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(l > 0.f ? __fdividef(combined.o()[idx], l) : 0.f);
+            out[first_row * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(l != 0.f ? __fdividef(combined.o()[idx], l) : final_empty(at));
         }
         if (lse != nullptr && threadIdx.x < WARPS * GROUP) {
             const int w = threadIdx.x / GROUP, row = threadIdx.x % GROUP;
             const float l = combined.l()[w * 16 + row];
-            lse[first_row + threadIdx.x] = l > 0.f ? (combined.m()[w * 16 + row] + __log2f(l)) * LN2 : -INFINITY;
+            lse[first_row + threadIdx.x] = l != 0.f ? (combined.m()[w * 16 + row] + __log2f(l)) * LN2 : final_empty_lse(at);
         }
         return;
     }
     const float* row_lse2 = combined.row_lse2();
     combine_warps(combined);
     __syncthreads();
-    auto cta_value = [&](int idx) { return cta_value_of(combined, idx); };
+    auto cta_value = [&](int idx) { return cta_value_of(combined, idx, 0.f); };  // a partial's
 
     const size_t row0 = (size_t)batch_idx * num_qo_heads + (size_t)kv_head * GROUP;
     if constexpr (UNITS) {
@@ -134,9 +146,13 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
     if (!SPLIT || splits_used == 1) {  // the row has one split: its CTA writes the final output
         if constexpr (CLUSTER > 1) splitkv::cluster_wait();  // pairs with the arrival at the start
         if (split == 0) {
+            const float empty = final_empty(at);
             for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
-                out[row0 * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(cta_value(idx));
-            if (lse != nullptr && threadIdx.x < GROUP) lse[row0 + threadIdx.x] = row_lse2[threadIdx.x] * LN2;
+                out[row0 * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(cta_value_of(combined, idx, empty));
+            if (lse != nullptr && threadIdx.x < GROUP) {
+                const float l = combined.row_l()[threadIdx.x];
+                lse[row0 + threadIdx.x] = l != 0.f ? row_lse2[threadIdx.x] * LN2 : final_empty_lse(at);
+            }
         }
         return;
     }
@@ -177,7 +193,7 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
             const int idx = rank * SLICE + e, row = idx / HEAD_DIM;
             float m = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < CLUSTER; ++j) m = fmaxf(m, inbox_lse2[j * 16 + row]);
+            for (int j = 0; j < CLUSTER; ++j) m = splitkv::fmax_nan(m, inbox_lse2[j * 16 + row]);
             float total = 0.f, acc = 0.f;
             if (m != -INFINITY) {
 #pragma unroll
@@ -187,7 +203,11 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
                     acc += w * inbox_o[j * SLICE + e];
                 }
             }
-            const float value = total > 0.f ? __fdividef(acc, total) : 0.f, lse2 = total > 0.f ? m + __log2f(total) : -INFINITY;
+            // A cluster that is the whole row has tokens in it (splits_used > 1): a sum of 0 is
+            // every score -inf (see final_empty); a cluster's partial of 0 is empty.
+            const bool summed = total != 0.f;
+            const float value = summed ? __fdividef(acc, total) : (whole_row ? NAN : 0.f);
+            const float lse2 = summed ? m + __log2f(total) : (whole_row ? NAN : -INFINITY);
             if (whole_row) {
                 out[row0 * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(value);
                 if (lse != nullptr && idx % HEAD_DIM == 0) lse[row0 + row] = lse2 * LN2;

@@ -223,7 +223,7 @@ __device__ __forceinline__ void decode_program(
     softmax.store(WarpStates{reinterpret_cast<float*>(smem)}, warp, o_factor);
     __syncthreads();
     write_result(ResultTarget{out, lse, partial_o, partial_lse, counters, num_kv_heads, num_qo_heads, num_splits,
-                              batch_idx, kv_head},
+                              batch_idx, kv_head, end > 0},
                  smem, inbox_full, split, splits_used, partial_slot);
 }
 

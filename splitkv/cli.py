@@ -2,6 +2,7 @@
 
     splitkv-gen --arch sm90 [--head-dim 64,128] [--group 1,4,8] [--dtype bf16,fp16,fp8_e4m3,nvfp4]
                 [--emit DIR] [--list] [--jobs N]
+    splitkv-gen --arch sm90 --warm --head-dim 128 --group 4 --kv-heads 8 --max-len N [--max-batch N] [--gpu NAME]
     splitkv-gen --arch sm90 --tune [--head-dim ..] [--dtype ..] [--trials N] [--timeout S]
                 [--storage URL] [--study NAME] [--devices 0,1] [--report DIR] [--out DIR]
     splitkv-gen --arch sm90 --tune --remeasure [--head-dim ..] [--bucket ..] [--iters N] [--out DIR]
@@ -91,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
                    help="compile N kernels at a time (default: number of CPUs; with --tune and --devices, "
                         "shared among the workers)")
+    p.add_argument("--warm", action="store_true",
+                   help="compile what DecodeAttention.warmup would for --kv-heads, --max-len, --max-batch (and the "
+                        "--gpu model's tuned table) into the kernel cache ($SPLITKV_CACHE_DIR), e.g. to ship a fleet")
+    p.add_argument("--gpu", metavar="NAME", help="with --warm: the GPU model whose tuned table plans take "
+                                                 "('NVIDIA H200'; default: the built-in choice only)")
+    p.add_argument("--kv-heads", type=int, metavar="N", help="with --warm: K/V heads of the model")
+    p.add_argument("--max-len", type=int, metavar="N", help="with --warm: the longest sequence plans will see")
+    p.add_argument("--max-batch", type=int, default=1, metavar="N", help="with --warm: the largest batch (default 1)")
     p.add_argument("--tune", action="store_true",
                    help="measure candidate CTA shapes on this GPU (Optuna) and write the winners to a tuned table")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -298,6 +307,32 @@ def _discard_stdout() -> None:
     os.close(devnull)
 
 
+def _warm_specs(parser, args, arch, head_dims, group_sizes, kv_dtypes, page_sizes) -> list:
+    """--warm: `warmup.programs_to_warm` of every (head_dim, group, K/V dtype, page size) asked for;
+    the queries are fp16 for fp16 caches and bf16 otherwise."""
+    from splitkv import warmup
+    from splitkv.tuned.keys import TuneKey
+
+    if args.tune:
+        parser.error("--warm does not go with --tune")
+    if not head_dims or not group_sizes:
+        parser.error("--warm: give the model's --head-dim and --group")
+    if args.kv_heads is None or args.max_len is None:
+        parser.error("--warm: give --kv-heads and --max-len (and --max-batch) of the plans to warm")
+    specs = []
+    for head_dim in head_dims:
+        for group in group_sizes:
+            for kv_dtype in kv_dtypes or ("bf16",):
+                for page_size in page_sizes:
+                    q_dtype = "fp16" if kv_dtype == "fp16" else "bf16"
+                    key = TuneKey(head_dim, group, q_dtype, kv_dtype, page_size, args.kv_layout if page_size else "NHD")
+                    found, entries = warmup.programs_to_warm(arch, args.gpu, key, args.kv_heads, args.max_batch,
+                                                             args.max_len)
+                    print(f"{key.label}: {len(found)} programs from {entries} tuned entries", file=sys.stderr)
+                    specs += found
+    return list(dict.fromkeys(specs))
+
+
 def _main(argv) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # `bench` is dispatched before argparse: its options belong to the benchmark, and an argparse
@@ -334,8 +369,14 @@ def _main(argv) -> int:
     from splitkv import codegen
 
     try:
-        specs = list(codegen.default_specs(arch, head_dims=head_dims, group_sizes=group_sizes,
-                                           kv_dtypes=kv_dtypes, page_sizes=page_sizes, kv_layout=args.kv_layout))
+        if args.warm:
+            specs = _warm_specs(parser, args, arch, head_dims, group_sizes, kv_dtypes, page_sizes)
+        else:
+            for flag in ("gpu", "kv_heads", "max_len"):
+                if getattr(args, flag) is not None:
+                    parser.error(f"--{flag.replace('_', '-')} goes with --warm")
+            specs = list(codegen.default_specs(arch, head_dims=head_dims, group_sizes=group_sizes,
+                                               kv_dtypes=kv_dtypes, page_sizes=page_sizes, kv_layout=args.kv_layout))
     except ValueError as e:
         print(f"splitkv-gen: {e}", file=sys.stderr)
         return 2

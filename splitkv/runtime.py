@@ -149,6 +149,7 @@ class DecodeAttention:
         if not isinstance(tuned, bool):
             raise TypeError(f"tuned: expected True or False, got {tuned!r}")
         self._tuned = None
+        self._tuned_allowed = spec is None and dense_spec is None  # the built-in or tuned programs
         if tuned and spec is None and dense_spec is None:
             key = TuneKey(head_dim, self.group_size, q_dtype, kv_dtype, self.page_size, kv_layout)
             self._tuned = lookup.find(self.arch, gpu_name(self.device), key)
@@ -418,6 +419,32 @@ class DecodeAttention:
             with streams.on_device(self.device):  # the query runs in the function's context
                 program.cluster_fit[cluster] = max_active_clusters(function, cluster, spec.threads, spec.smem_bytes)
         return program.cluster_fit[cluster]
+
+    # ---- warming up (compiles what later plans need) -------------------------------------------
+    def warmup(self, max_len: int, max_batch: int = 1, *, jobs: int | None = None) -> "warmup.WarmupReport":
+        """Compile and load every program a plan() of 1 to ``max_batch`` sequences of up to ``max_len``
+        tokens may launch (`splitkv.warmup.programs_to_warm`: every variant, cluster size and tuned
+        entry of the range), on ``jobs`` threads (None: one per CPU), so that such plans compile
+        nothing. Programs in the disk cache are only read (`splitkv-gen --warm` prebuilds one).
+        Returns what it did (`warmup.WarmupReport`)."""
+        from . import warmup
+
+        key = TuneKey(self.head_dim, self.group_size, self.split_spec.q_dtype, self.split_spec.kv_dtype,
+                      self.page_size, self.kv_layout)
+        if self._tuned_allowed:
+            specs, entries = warmup.programs_to_warm(self.arch, gpu_name(self.device), key, self.num_kv_heads,
+                                                     max_batch, max_len, tuned=self._tuned is not None)
+        else:  # the instance's own spec / dense_spec
+            warmup.check_ranges(max_batch, max_len)
+            specs, entries = warmup.programs_of_specs(self.split_spec, self.dense_spec, key), 0
+
+        def load(spec):
+            from .codegen.load import load_kernel
+
+            with streams.on_device(self.device):
+                load_kernel(spec)
+        compiled, seconds = warmup.compile_all(specs, jobs=jobs, load=load)
+        return warmup.WarmupReport(len(specs), compiled, round(seconds, 3), entries)
 
     @property
     def plan_info(self) -> str:

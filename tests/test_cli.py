@@ -273,8 +273,11 @@ def test_tune_refuses_without_a_gpu_of_the_arch(fake, capsys, monkeypatch):
     pytest.importorskip("optuna")
     from splitkv import timing
 
+    import splitkv.autotune.cli as tune_cli
+
     def no_gpu():
         raise RuntimeError("no CUDA driver")
+    monkeypatch.setattr(tune_cli, "unavailable_reason", lambda device=None: None)  # past the driver check
     monkeypatch.setattr(timing, "gpu_info", no_gpu)
     code, out, err = run(capsys, "--arch", "sm90", "--tune", "--head-dim", "128", "--group", "4", "--dtype", "bf16")
     assert code == 2
@@ -438,3 +441,44 @@ def test_page_sizes_and_layout_reach_the_kernel_set(fake, capsys):
     assert code == 0 and fake.paging == ((0, 16, 64), "HND")
     code, _, err = run(capsys, "--arch", "sm90", "--list", "--page-size", "12")
     assert code == 2 and "--page-size: 12 is not supported" in err
+
+
+# ---- --warm: what DecodeAttention.warmup compiles, listed or compiled without a GPU ----------------
+def test_warm_lists_what_a_warm_up_compiles(capsys):
+    from splitkv import warmup
+    from splitkv.tuned.keys import TuneKey
+
+    assert cli.main(["--arch", "sm90", "--warm", "--list", "--gpu", "NVIDIA H200", "--head-dim", "128", "--group", "4",
+                     "--kv-heads", "8", "--max-len", "65536", "--max-batch", "64"]) == 0
+    captured = capsys.readouterr()
+    expected, entries = warmup.programs_to_warm("sm_90", "NVIDIA H200", TuneKey(128, 4, "bf16", "bf16", 0, "NHD"), 8,
+                                                64, 65536)
+    assert captured.out.split() == [spec.name for spec in expected]
+    assert f"d128-g4-bf16-bf16-contiguous: {len(expected)} programs from {entries} tuned entries" in captured.err
+    assert entries > 1
+
+
+def test_warm_of_paged_caches_and_several_keys(capsys):
+    assert cli.main(["--arch", "sm90", "--warm", "--list", "--head-dim", "128,64", "--group", "8", "--dtype",
+                     "fp8_e4m3", "--page-size", "16", "--layout", "HND", "--kv-heads", "2", "--max-len", "4096"]) == 0
+    names = capsys.readouterr().out.split()
+    assert names and all(name.endswith("-p16hnd") or "merge" in name for name in names), names
+    assert any(name.startswith("sm_90-d64-") for name in names) and any(name.startswith("sm_90-d128-") for name in names)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--warm", "--group", "4", "--kv-heads", "8", "--max-len", "10"], "--warm: give the model's --head-dim and --group"),
+    (["--warm", "--head-dim", "128", "--group", "4", "--max-len", "10"], "--warm: give --kv-heads and --max-len"),
+    (["--warm", "--head-dim", "128", "--group", "4", "--kv-heads", "0", "--max-len", "10"],
+     "num_kv_heads: expected a positive int, got 0"),
+    (["--warm", "--head-dim", "128", "--group", "4", "--kv-heads", "8", "--max-len", "0"],
+     "max_len: expected an int of at least 1, got 0"),
+    (["--head-dim", "128", "--max-len", "10"], "--max-len goes with --warm"),
+])
+def test_warm_flags(capsys, argv, message):
+    try:
+        rc = cli.main(["--arch", "sm90", *argv])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    assert message in capsys.readouterr().err

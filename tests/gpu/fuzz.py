@@ -71,8 +71,9 @@ PROGRAMS = (
 #: pages, chunks and splits.
 EDGE_LENGTHS = (0, 1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 1023,
                 1024, 1025, 2047, 2048, 4095, 4096, 4097)
-#: K/V tokens a case holds at most over its batch and heads, so that the float64 reference stays quick.
-MAX_CASE_TOKENS = 400_000
+#: K/V elements a case's cache holds at most (batch x longest length x K/V heads x head_dim), so that
+#: the caches and their float64 copies (about 2.6 GB at this bound) leave room for every worker.
+MAX_CACHE_ELEMENTS = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +107,8 @@ def draw_case(program: Program, seed: int) -> Case:
     else:  # long rows beside short ones
         lens = np.where(rng.random(batch) < 0.3, rng.integers(20000, 70000, size=batch), rng.integers(0, 600, size=batch))
     lens = [int(n) for n in lens]
-    while sum(lens) * num_kv > MAX_CASE_TOKENS and max(lens) > 1:  # the reference's bound: shorten the longest
-        i = int(np.argmax(lens))
+    while batch * (max(lens) + 37) * num_kv * program.head_dim > MAX_CACHE_ELEMENTS and max(lens) > 1:
+        i = int(np.argmax(lens))  # the memory bound: shorten the longest
         lens[i] //= 2
     which = rng.random()
     if which < 0.45:
@@ -198,10 +199,17 @@ def run_cases(programs, count: int, seed: int, *, progress=None) -> dict:
         except Exception as e:  # noqa: BLE001 - every failure is recorded, and the run goes on
             failures.append({"case": case.describe(), "error": f"{type(e).__name__}: {e}",
                              "trace": traceback.format_exc(limit=4)})
+        _release_memory()  # the case's arrays: workers share the GPU's memory
         if progress is not None and (i + 1) % max(count // 10, 1) == 0:
             progress(f"{i + 1}/{count} cases, {len(failures)} failed, {time.perf_counter() - start:.0f} s")
     return {"cases": count, "failed": len(failures), "failures": failures, "per_program": per_program,
             "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _release_memory() -> None:
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def _worker(args) -> dict:
@@ -215,7 +223,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=2000, help="cases in all (default 2000)")
     parser.add_argument("--seed", type=int, default=None, help="the run's seed (default: a fresh one, printed)")
-    parser.add_argument("--workers", type=int, default=8, help="processes, each with its share of the programs")
+    parser.add_argument("--workers", type=int, default=8, help="processes, each with its share of the programs "
+                                                                "(default 8)")
     parser.add_argument("--json", type=Path, help="write the summary here")
     args = parser.parse_args(argv)
     if args.cases < 1 or args.workers < 1:

@@ -142,10 +142,14 @@ def test_non_finite_inputs_follow_the_math(layout, dtype):
                "split, cluster": dict(cluster=4)}.get(layout)
     attn = DecodeAttention(NUM_KV * GROUP, NUM_KV, HEAD_DIM, q_dtype=dtype, kv_dtype=dtype,
                            spec=spec.replace(**changes) if changes else None, tuned=False)
-    attn.plan(lens, **plan_args)
-    if layout == "split, cluster":
-        assert attn._launch.spec.cluster == 4, attn.plan_info
     out = poisoned(q.shape, dtype)
     lse = cupy.full(q.shape[:2], cupy.nan, dtype=cupy.float32)
-    attn.run(q, k, v, out=out, lse=lse)
+    if layout == "split, cluster":  # a sequence per plan: a cluster per row needs every row's cluster resident
+        for b, n in enumerate(lens):
+            attn.plan([n], **plan_args)
+            assert n == 0 or attn._launch.spec.cluster == 4, attn.plan_info
+            attn.run(q[b:b + 1], k[b:b + 1], v[b:b + 1], out=out[b:b + 1], lse=lse[b:b + 1])
+    else:
+        attn.plan(lens, **plan_args)
+        attn.run(q, k, v, out=out, lse=lse)
     _check(out, lse, ref_out, ref_lse, dtype, f"{dtype} {layout} ({attn.plan_info})")

@@ -5,26 +5,39 @@ target arch explicitly, so it never asks a driver. Cubins are cached in memory a
 by everything that can change the machine code: the rendered source, the helper headers, the
 options and the NVRTC version. Each cached program keeps its source and headers under
 ``src/<key>/`` of the cache, so a failure or a profile points at exactly what was compiled.
+A cached cubin is served only if it matches the digest its metadata holds, and a program that
+several processes (or threads) ask for at once is compiled by one of them, under a file lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import functools
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from .render import helper_headers, render
 
 _REGISTERS_RE = re.compile(r"Used (\d+) registers")
 _SPILLS_RE = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+_logger = logging.getLogger("splitkv")
+
+#: How long a compile waits for another process compiling the same program before compiling it
+#: too (a holder that died has released its lock; one that waits this long is stopped or hung).
+LOCK_WAIT_S = 600.0
 
 #: What to install when NVRTC (through CuPy) or the CUDA headers are missing; see pyproject's extras.
 INSTALL_HINT = ("install splitkv with the extra of your CUDA driver: "
@@ -190,6 +203,8 @@ def compile_cubin(spec: AnySpec, *, use_disk_cache: bool = True,
     read, unless ``use_disk_cache`` is False: then the program is compiled again, and the new cubin
     still replaces the one on disk, because the loader loads cubins from their file. Compiling needs
     a writable cache folder (CacheDirError names it otherwise); reading a cached cubin does not.
+    Callers compiling one program at once, in threads or processes, compile it once: the others
+    wait for it (see `_compile_lock`) and read its cubin.
 
     ``source`` replaces the rendered program (the benchmark tools patch it to time or stamp its
     parts), compiled with the same options and headers so that it differs in nothing else.
@@ -207,12 +222,78 @@ def compile_cubin(spec: AnySpec, *, use_disk_cache: bool = True,
         if key in _memory_cache:
             return _memory_cache[key]
     folder = cache_dir()
+    # A valid cubin is read without the lock, so that a cache shipped read-only serves its programs
+    # without a lock file to create.
     result = _read_disk_cache(folder, key, spec, source, stem) if use_disk_cache else None
-    if result is None:
-        result = _compile(spec, source, headers, options, folder, key, stem)
+    if result is not None:
+        return _remember(key, result)
+    with _compile_lock(folder, key):
+        # One that held the lock before may have compiled the program: a thread of this process
+        # leaves it in memory, another process on disk.
+        with _lock:
+            result = _memory_cache.get(key)
+        if result is None and use_disk_cache:
+            result = _read_disk_cache(folder, key, spec, source, stem)
+        if result is None:
+            result = _compile(spec, source, headers, options, folder, key, stem)
+        return _remember(key, result)  # before the lock is released, for the threads waiting on it
+
+
+def _remember(key: str, result: CompileResult) -> CompileResult:
+    """Keep ``result`` in memory; the one kept first is what every caller gets."""
     with _lock:
-        _memory_cache[key] = result
-    return result
+        return _memory_cache.setdefault(key, result)
+
+
+@contextlib.contextmanager
+def _compile_lock(folder: Path, key: str):
+    """Hold an exclusive flock on ``<key>.lock`` of the cache while ``key`` is looked up and compiled.
+
+    Each call opens the file anew, and a flock belongs to the open file, not the process, so the
+    lock keeps threads of one process apart as it does processes. The kernel releases the lock of
+    a process that dies, so no lock is ever stale and none needs clearing; the (empty) file stays,
+    since one removed while a waiter holds it open would let a newcomer lock a new file beside it.
+    Past `LOCK_WAIT_S` (a holder stopped, not dead) the program is compiled anyway, with a warning:
+    the cache's files are replaced atomically, so a second compile costs time, not a broken cache.
+    A file system without flock compiles without the lock, for the same reason.
+    """
+    path = folder / f"{key}.lock"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        # Read-only is enough to flock, so users sharing a cache can lock one another's files.
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        raise CacheDirError(folder, exc) from exc
+    try:
+        try:
+            timed_out = not _flock(fd, LOCK_WAIT_S)
+        except OSError:  # no flock on this file system
+            timed_out = False
+        if timed_out:
+            warnings.warn(f"splitkv: waited {LOCK_WAIT_S:.0f} s for {path}, held by another process "
+                          "compiling the same program; compiling it here too", RuntimeWarning, stacklevel=4)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _flock(fd: int, wait_s: float) -> bool:
+    """Lock ``fd`` exclusively, waiting up to ``wait_s``: False if that passed. Polled, because a
+    blocking flock cannot be given a timeout."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.1)
 
 
 @functools.lru_cache(maxsize=1)
@@ -239,8 +320,9 @@ def toolchain_fingerprint() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-#: Changes when what the cache holds for a key changes (2: whole cubins; 1 lacked the last byte).
-_CACHE_FORMAT = "2"
+#: Changes when what the cache holds for a key changes (3: the metadata holds the cubin's sha256;
+#: 2: whole cubins; 1 lacked the last byte).
+_CACHE_FORMAT = "3"
 
 
 def _cache_key(source: str, headers: dict[str, str], options: list[str]) -> str:
@@ -274,9 +356,11 @@ def _compile(spec, source, headers, options, folder: Path, key: str, stem: str) 
         nvrtc.destroyProgram(program)
     compile_ms = (time.perf_counter() - start) * 1e3
     registers, spills = parse_ptxas_log(log)
-    meta = {"name": spec.name, "registers": registers, "spill_bytes": spills, "compile_ms": compile_ms, "log": log}
+    meta = {"name": spec.name, "sha256": hashlib.sha256(cubin).hexdigest(), "registers": registers,
+            "spill_bytes": spills, "compile_ms": compile_ms, "log": log}
     cubin_path = folder / f"{key}.cubin"
-    # The cubin before its metadata: a reader that finds the metadata finds the cubin too.
+    # The cubin before its metadata: a reader that finds the metadata finds the cubin it describes
+    # (or, amid a rewrite, one that fails the digest and is read again under the lock).
     _write_cache_files(folder, [(cubin_path, cubin),
                                 (folder / f"{key}.json", json.dumps(meta, indent=1).encode())])
     return CompileResult(spec, source, cubin, registers, spills, compile_ms, log, source_path, cubin_path)
@@ -289,7 +373,11 @@ def _read_disk_cache(folder: Path, key: str, spec, source: str, stem: str) -> Co
         cubin = cubin_path.read_bytes()
     except (OSError, ValueError):
         return None
-    if cubin[:4] != b"\x7fELF":  # cut short or damaged (a crash mid-write, a full disk): compile again
+    # A cubin cut short or damaged (a crash mid-write, a full disk, a bad copy), or one from before
+    # digests were kept, is not served: the caller compiles it again and rewrites it, which mends
+    # the cache, so the user is told nothing (a debug line says why).
+    if not isinstance(meta, dict) or meta.get("sha256") != hashlib.sha256(cubin).hexdigest():
+        _logger.debug("splitkv: cached %s does not match its digest; compiling it again", cubin_path)
         return None
     source_path = folder / _source_dir(key) / f"{stem}.cu"
     return CompileResult(spec, source, cubin, meta.get("registers"), meta.get("spill_bytes"),

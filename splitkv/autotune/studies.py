@@ -3,8 +3,9 @@
 Resumable and shareable: a study lives in the Optuna storage given (an SQLite or PostgreSQL URL, a
 journal file, or memory). Every told trial is in the storage at once, so a run that is killed loses
 at most the trials it was measuring; a later run (or another worker on the same storage) counts the
-measured trials and runs only the rest. Trials a killed process left RUNNING on this host are
-failed as interrupted when the study is next searched here (they do not count). A confirmed
+measured trials and runs only the rest; a program two processes both measured counts once.
+Trials a killed process left RUNNING on this host are failed as interrupted when the study is next
+searched here (they do not count), and their candidates are queued again. A confirmed
 outcome is kept in its study (`save_outcome`), and a process tuning a key marks it (`claim`), so
 that workers tune keys apart and the parent of the workers reads their entries back.
 """
@@ -44,6 +45,10 @@ OUTCOME_ATTR = "outcome"
 
 #: Study attribute naming the process tuning the study (see `claim`).
 CLAIM_ATTR = "claim"
+
+#: Trial attribute of a candidate queued again after its trial was interrupted: that trial's number
+#: (see `mark_interrupted`).
+RETRY_ATTR = "retry_of"
 
 
 def import_optuna():
@@ -159,11 +164,24 @@ def finished(study) -> list:
 
 
 def measured(study) -> list:
-    """The finished trials that measured a candidate (or failed trying): what ``trials`` counts."""
+    """The finished trials that measured a candidate (or failed trying), one per program launched
+    (the first): what ``trials`` counts. Processes sharing a study may each measure a program
+    before the other has told it (the built-in split and dense programs, which often launch the
+    same, are the first trials both ask for): it counts once, so that a study ends with as many
+    distinct programs as asked for."""
     optuna = import_optuna()
-    return [t for t in finished(study) if "repeat_of" not in t.user_attrs
-            and (t.state == optuna.trial.TrialState.COMPLETE
-                 or (t.state == optuna.trial.TrialState.FAIL and "interrupted" not in t.user_attrs))]
+    counted, programs = [], set()
+    for t in finished(study):
+        if "repeat_of" in t.user_attrs or not (
+                t.state == optuna.trial.TrialState.COMPLETE
+                or (t.state == optuna.trial.TrialState.FAIL and "interrupted" not in t.user_attrs)):
+            continue
+        # What it launched (`Objective.runs`), else its candidate (a compile failure: it launched nothing).
+        program = t.user_attrs.get("runs", t.user_attrs.get("spec", t.number))
+        if program not in programs:
+            programs.add(program)
+            counted.append(t)
+    return counted
 
 
 def fail_interrupted(study) -> int:
@@ -192,9 +210,20 @@ def fail_interrupted(study) -> int:
 
 
 def mark_interrupted(study, trial) -> None:
-    """Tell a RUNNING trial (a Trial or a FrozenTrial) failed and interrupted: it does not count."""
-    study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
+    """Tell a RUNNING trial (a Trial or a FrozenTrial) failed and interrupted: it does not count.
+    Its candidate, when it had one, is queued again (`RETRY_ATTR`), so that the search goes on with
+    what was left unmeasured: the sampler need not come back to it, and a queued candidate (a
+    built-in program) would be lost. Once only: a candidate interrupted on its retry too may be
+    what ends the process, and is left."""
+    storage = study._storage
+    asked = storage.get_trial(trial._trial_id)
+    storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
     study.tell(trial.number, state=import_optuna().trial.TrialState.FAIL)
+    if "spec" in asked.user_attrs and RETRY_ATTR not in asked.user_attrs:  # "spec": its params are complete
+        again = {RETRY_ATTR: asked.number}
+        if "builtin" in asked.user_attrs:
+            again["builtin"] = asked.user_attrs["builtin"]
+        study.enqueue_trial(asked.params, user_attrs=again)
 
 
 def _alive(pid) -> bool:

@@ -3,7 +3,9 @@
 `save` merges: it reads what is there, replaces the entries it has new figures for, keeps the rest,
 and replaces the file atomically (a temporary file renamed over it) under a lock, so concurrent
 writers lose nothing and a reader never sees half a file. It refuses (`TableError`) to overwrite a
-file that cannot be read as a table, or one of another GPU or arch.
+file that cannot be read as a table, or one of another GPU or arch, and to write what the reader
+would refuse. `dump` heads the file with the count and digest of its entries, by which the reader
+knows a file cut short; `rewrite` writes a table again, in the current schema.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pathlib import Path
 import yaml
 
 from ..spec import parse_arch
-from ..tuned.tables import SCHEMA, Entry, Table, TableError, UnitCosts, load
+from ..tuned.tables import (HEADER_FIELDS, MAX_TABLE_BYTES, SCHEMA, Entry, Table, TableError, UnitCosts,
+                             entries_digest, load, parse_text)
 
 
 def make_header(gpu: str, arch: str, sm_count: int, cuda_runtime: str, nvrtc: str, splitkv: str,
@@ -31,11 +34,14 @@ def today() -> str:
 
 
 def dump(table: Table) -> str:
-    """The YAML text of ``table``, entries sorted: the same results give the same file."""
-    data = dict(table.header)
+    """The YAML text of ``table`` in the current schema, entries sorted: the same results give the
+    same file. The count and digest of the entries lead the header (see `splitkv.tuned.tables`)."""
+    entries = [e.to_dict() for e in sorted(table.entries, key=Entry.sort_key)]
+    data = dict(schema=SCHEMA, entries_count=len(entries), entries_sha256=entries_digest(entries))
+    data.update((name, table.header[name]) for name in HEADER_FIELDS if name != "schema")
     if table.unit_costs is not None:
         data["unit_costs"] = table.unit_costs.to_dict()
-    data["entries"] = [e.to_dict() for e in sorted(table.entries, key=Entry.sort_key)]
+    data["entries"] = entries
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)
 
 
@@ -66,10 +72,33 @@ def save(path: Path, header: dict, entries, unit_costs: UnitCosts | None = None)
         if old is not None and (old.gpu, old.arch) != (header["gpu"], parse_arch(header["arch"])):
             raise TableError(f"{path}: holds {old.gpu} ({old.arch}), not {header['gpu']} ({header['arch']})")
         table = merge(old, header, entries, unit_costs)
-        from ..codegen.compile import atomic_write  # here: `splitkv-gen --help` imports this module, not codegen
-
-        atomic_write(path, dump(table).encode())
+        _write(path, table)
     return table
+
+
+def rewrite(path: Path) -> Table:
+    """The table at ``path`` written again as it is, in the current schema (a schema-1 table gains
+    the count and digest of its entries). Every field is checked but the count and digest, so it
+    also writes anew a table edited by hand; one refused as cut short must be looked at first,
+    since what it lost is not written back."""
+    path = Path(path)
+    with _locked(path):
+        table = load(path, check_entries=False)
+        _write(path, table)
+    return table
+
+
+def _write(path: Path, table: Table) -> None:
+    """``table``'s file at ``path``, atomically; TableError, and nothing written, where the reader
+    would refuse it."""
+    text = dump(table)
+    data = text.encode()
+    if len(data) > MAX_TABLE_BYTES:
+        raise TableError(f"{path}: not written: {len(data)} bytes, over the {MAX_TABLE_BYTES} a table may hold")
+    parse_text(text, f"{path} (not written)")
+    from ..codegen.compile import atomic_write  # here: `splitkv-gen --help` imports this module, not codegen
+
+    atomic_write(path, data)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,10 @@ from ..spec import HEAD_DIMS, KV_DTYPES, KV_LAYOUTS, MAX_GROUP, PAGE_SIZES, Q_DT
 
 #: K/V heads of every bucket's representative shape (Hq = group x this).
 REFERENCE_KV_HEADS = 8
+#: A table's largest bucket batch: the launch grid's sequences at most (`DecodeAttention` splits no batch).
+MAX_BATCH = 65535
+#: A table's longest bucket length: the programs index tokens with int32.
+MAX_SEQ_LEN = 2**31 - 1
 
 
 @dataclass(frozen=True, order=True)
@@ -69,6 +73,16 @@ class TuneKey:
         unknown = set(data) - {"head_dim", "group_size", "q_dtype", "kv_dtype", "layout"}
         if unknown:
             raise ValueError(f"key: unknown fields {sorted(unknown)}")
+        missing = {"head_dim", "group_size"} - set(data)
+        if missing:
+            raise ValueError(f"key: lacks {sorted(missing)}")
+        # The constructor checks values against their choices, where 128.0 and True pass for ints.
+        for name in ("head_dim", "group_size"):
+            if isinstance(data[name], bool) or not isinstance(data[name], int):
+                raise ValueError(f"key: {name}: expected an int, got {data[name]!r}")
+        for name in ("q_dtype", "kv_dtype", "layout"):
+            if name in data and not isinstance(data[name], str):
+                raise ValueError(f"key: {name}: expected a name, got {data[name]!r}")
         page_size, kv_layout = parse_layout(data.get("layout", "contiguous"))
         return cls(head_dim=data["head_dim"], group_size=data["group_size"], q_dtype=data.get("q_dtype", "bf16"),
                    kv_dtype=data.get("kv_dtype", "bf16"), page_size=page_size, kv_layout=kv_layout)
@@ -100,6 +114,28 @@ class Bucket:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"bucket {self.name!r}: {field} must be a positive int, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return dict(name=self.name, batch=self.batch, seq_len=self.seq_len)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Bucket":
+        """A bucket as a table holds it: its name says its batch and length (`parse_bucket`), and
+        the two fields must say the same."""
+        if set(data) != {"name", "batch", "seq_len"}:
+            raise ValueError(f"bucket: expected the fields ['batch', 'name', 'seq_len'], got {sorted(data)}")
+        if not isinstance(data["name"], str):
+            raise ValueError(f"bucket: name: expected a name like 'b1-l32k', got {data['name']!r}")
+        bucket = cls(data["name"], data["batch"], data["seq_len"])
+        for field, most in (("batch", MAX_BATCH), ("seq_len", MAX_SEQ_LEN)):
+            value = getattr(bucket, field)
+            if value > most:
+                raise ValueError(f"bucket {bucket.name!r}: {field} must be at most {most}, got {value}")
+        named = parse_bucket(bucket.name)
+        if (named.batch, named.seq_len) != (bucket.batch, bucket.seq_len):
+            raise ValueError(f"bucket {bucket.name!r}: the name says batch {named.batch}, seq_len {named.seq_len}; "
+                             f"the fields say batch {bucket.batch}, seq_len {bucket.seq_len}")
+        return bucket
 
     @property
     def rows(self) -> int:

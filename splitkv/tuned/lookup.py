@@ -8,9 +8,11 @@ Tables are searched in this order, the first that holds entries for the key winn
 3. none: the built-in heuristic (`splitkv.heuristics.default_spec`).
 
 Within the table, the entry of the bucket nearest the plan's workload is used (`keys.nearest_bucket`).
-Each table is read once per process. A table that cannot be read gives one warning (the file and the
-reason) and is skipped: serving goes on with the next table or the heuristic. Which table a key
-uses is logged once, at INFO, on the ``splitkv`` logger.
+Each table is read once per process. A table that cannot be read, or fails any check of
+`splitkv.tuned.tables` (a field, its count and digest, its size), gives one warning (the file and
+the reason) and is skipped: serving goes on with the next table or the heuristic. A table of an
+older schema is used, with one warning that a cut one cannot be told. Which table a key uses is
+logged once, at INFO, on the ``splitkv`` logger.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def candidate_files(arch: str, gpu: str) -> list[tuple[Path, str]]:
     arch = parse_arch(arch)
     stem = f"{gpu_file_stem(gpu)}.yaml"
     exact = [d / arch / stem for d in table_dirs()]
-    same_arch = [p for d in table_dirs() for p in sorted((d / arch).glob("*.yaml")) if p.name != stem]
+    same_arch = [p for d in table_dirs() for p in sorted((d / arch).glob("*.yaml")) if p.name != stem and p.is_file()]
     return [(p, "exact GPU") for p in exact if p.is_file()] + [(p, "same arch") for p in same_arch]
 
 
@@ -76,7 +78,12 @@ def read_table(path: Path) -> tables.Table | None:
     except OSError as e:
         _warn_once(str(path), f"splitkv: ignoring tuned table {path}: {e.strerror or e}")
         return None
-    return _read(path, mtime)
+    table = _read(path, mtime)
+    if table is not None and table.header["schema"] < tables.SCHEMA:
+        _warn_once(str(path), f"splitkv: the tuned table {path} is of schema {table.header['schema']}, without the "
+                              f"count and digest of its entries: a file cut short reads as a smaller table; "
+                              f"splitkv.autotune.writing.rewrite writes it as schema {tables.SCHEMA}")
+    return table
 
 
 @dataclass(frozen=True)

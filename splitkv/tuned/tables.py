@@ -2,7 +2,9 @@
 
 ::
 
-    schema: 1
+    schema: 2
+    entries_count: 144          # the entries below: how many, and their SHA-256 (`entries_digest`)
+    entries_sha256: 9c1e...
     gpu: NVIDIA H200
     arch: sm_90
     sm_count: 132
@@ -37,14 +39,36 @@ arch and the key's own; ``spec: null`` says the built-in choice was measured bes
 keeps it. ``planner`` names the planner's split-count rules the entry was measured under
 (`PLANNERS`): the runtime plans a tuned program by those rules, so it launches what was measured.
 Entries are sorted by key and bucket, so a table written twice from the same results is the same
-file. A file that cannot be read as a table raises `TableError` naming the file and what is wrong
-with it. This module reads tables (what the runtime needs); the tuner writes them
-(`splitkv.autotune.writing`: merged, atomic, locked).
+file.
+
+Every field is checked when a table is read: its type (an int is neither a bool nor a string, a
+name is a string), its range (µs figures finite and above 0, ``bandwidth_pct`` at most
+`MAX_BANDWIDTH_PCT`, trials from 1, a bucket's batch and length within `keys.Bucket`'s limits and
+what its name says), dates as ISO dates (quoted or not), a spec through KernelSpec's own checks.
+An unknown field is refused, like a file over `MAX_TABLE_BYTES` (before it is parsed). A file that
+fails a check raises `TableError` naming the file and the field; the runtime then warns once and
+goes on without it (`splitkv.tuned.lookup`).
+
+Schema 2 puts the count and digest of the entries at the head of the file, before all they cover:
+a file cut at any line (a full disk, a copy stopped) lacks header fields, or ``entries``, or holds
+fewer or other entries than the header says, and is refused. An entry edited by hand no longer
+matches the digest either; `splitkv.autotune.writing.rewrite` writes such a table anew. Schema 1
+tables (written before the check) carry neither field and are read without it; the runtime warns
+that a cut one cannot be told from a whole one, and `rewrite` makes them schema 2. This module
+reads tables (what the runtime needs); the tuner writes them (`splitkv.autotune.writing`: merged,
+atomic, locked, and only what this module reads back).
 """
+
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,8 +78,21 @@ from ..spec import KernelSpec, parse_arch
 from ..work_units import COST_FIELDS, CostModel
 from .keys import Bucket, TuneKey, gpu_file_stem
 
-SCHEMA = 1
+SCHEMA = 2
+#: The schemas this splitkv reads: 1 lacks the entries' count and digest (see the module notes).
+READ_SCHEMAS = (1, 2)
 HEADER_FIELDS = ("schema", "gpu", "arch", "sm_count", "cuda_runtime", "nvrtc", "splitkv", "date")
+#: What a schema-2 header says of its entries, written right after ``schema`` (see the module notes).
+CHECK_FIELDS = ("entries_count", "entries_sha256")
+#: The largest table file read: 4 MiB, 60 times the shipped H200 table (69 kB, 144 entries), room
+#: for every key and layout the tuner knows in many buckets. A file is parsed at the first
+#: DecodeAttention() that looks its GPU up, about 0.3 s per MiB with libyaml and 2 s without: a
+#: larger file is refused before it is parsed.
+MAX_TABLE_BYTES = 4 << 20
+#: The largest ``bandwidth_pct``: the copy bandwidth counts bytes read and written, and a decode,
+#: which only reads, can beat it by a little (101.6% in the shipped H200 table); half again the
+#: copy rate means the bytes were not read from DRAM or the time is wrong.
+MAX_BANDWIDTH_PCT = 150.0
 #: The planner's split-count rules an entry can have been measured under: "waves" (the wave model
 #: alone, every entry tuned before the short-row rule), "short-rows" (`plan.plan_splits` with the
 #: short-row rule, what the tuner measures now: `CURRENT_PLANNER`).
@@ -63,12 +100,20 @@ PLANNERS = ("waves", "short-rows")
 CURRENT_PLANNER = "short-rows"
 ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "bandwidth_pct", "default_us", "trials", "date", "exhaustive",
                 "plan", "default_plan", "planner")
+#: The fields every entry holds (`Entry.to_dict` writes them all).
+REQUIRED_ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "default_us", "trials", "date")
+#: What an entry's ``exhaustive`` record may hold (`splitkv.autotune.confirm.compare_with_exhaustive`):
+#: counts, and µs figures; any of them null.
+EXHAUSTIVE_COUNTS = ("points", "failed", "trials_to_within_3pct")
+EXHAUSTIVE_FIGURES = ("best_us", "tuned_spec_us", "builtin_spec_us")
 #: KernelSpec fields an entry's spec leaves out: the table's arch, and the key's fields.
 _KEY_SPEC_FIELDS = ("arch", "head_dim", "group_size", "q_dtype", "kv_dtype", "page_size", "kv_layout")
 #: Fields of programs KernelSpec no longer has, which tables written before they went hold with
 #: their off value in every spec: at that value they are skipped (the spec names the same program);
 #: any other value names a program that cannot be built, and the table is refused.
 _RETIRED_SPEC_FIELDS = {"steal_tiles": 0, "span_rows": False}
+#: libyaml's parser where PyYAML has it (several times faster), else PyYAML's own: the same values.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class TableError(ValueError):
@@ -112,7 +157,7 @@ class Entry:
         if self.spec is not None:
             spec = {k: v for k, v in self.spec.to_dict().items() if k not in _KEY_SPEC_FIELDS}
         out = dict(key=self.key.to_dict(),
-                   bucket=dict(name=self.bucket.name, batch=self.bucket.batch, seq_len=self.bucket.seq_len),
+                   bucket=self.bucket.to_dict(),
                    spec=spec, tuned_us=_round(self.tuned_us), bandwidth_pct=_round(self.bandwidth_pct),
                    default_us=_round(self.default_us), trials=int(self.trials), date=self.date)
         if self.exhaustive:
@@ -127,17 +172,17 @@ class Entry:
 
     @classmethod
     def from_dict(cls, data: dict, arch: str) -> "Entry":
+        """An entry as a table holds it, every field checked (see the module notes)."""
         if not isinstance(data, dict):
             raise ValueError(f"an entry must be a mapping, got {type(data).__name__}")
         unknown = set(data) - set(ENTRY_FIELDS)
         if unknown:
             raise ValueError(f"unknown entry fields {sorted(unknown)}")
-        missing = {"key", "bucket", "spec", "tuned_us", "default_us"} - set(data)
+        missing = set(REQUIRED_ENTRY_FIELDS) - set(data)
         if missing:
             raise ValueError(f"entry lacks {sorted(missing)}")
         key = TuneKey.from_dict(_mapping(data["key"], "key"))
-        b = _mapping(data["bucket"], "bucket")
-        bucket = Bucket(str(b["name"]), int(b["batch"]), int(b["seq_len"]))
+        bucket = Bucket.from_dict(_mapping(data["bucket"], "bucket"))
         spec = None
         if data["spec"] is not None:
             fields = _mapping(data["spec"], "spec")
@@ -145,15 +190,11 @@ class Entry:
             if clash:
                 raise ValueError(f"spec repeats the key's fields {sorted(clash)}")
             spec = KernelSpec.from_dict({**_without_retired_fields(fields), "arch": arch, **key.spec_fields()})
-        exhaustive = data.get("exhaustive")
-        if exhaustive is not None:
-            exhaustive = dict(_mapping(exhaustive, "exhaustive"))
-        return cls(key, bucket, spec, float(data["tuned_us"]), float(data["default_us"]),
-                   None if data.get("bandwidth_pct") is None else float(data["bandwidth_pct"]),
-                   int(data.get("trials", 0)), str(data.get("date", "")), exhaustive,
-                   None if data.get("plan") is None else str(data["plan"]),
-                   None if data.get("default_plan") is None else str(data["default_plan"]),
-                   str(data.get("planner") or "waves"))
+        return cls(key, bucket, spec, _figure(data["tuned_us"], "tuned_us"), _figure(data["default_us"], "default_us"),
+                   _optional(data, "bandwidth_pct", lambda v, name: _figure(v, name, MAX_BANDWIDTH_PCT)),
+                   _count(data["trials"], "trials", least=1), _date(data["date"], "date"),
+                   _optional(data, "exhaustive", _exhaustive), _optional(data, "plan", _text),
+                   _optional(data, "default_plan", _text), _optional(data, "planner", _text) or "waves")
 
 
 @dataclass(frozen=True)
@@ -176,10 +217,11 @@ class UnitCosts:
     @classmethod
     def from_dict(cls, data) -> "UnitCosts":
         data = _mapping(data, "unit_costs")
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
         if unknown:
             raise ValueError(f"unit_costs: unknown fields {sorted(unknown)}")
-        missing = {"costs", "tuned_us", "default_us"} - set(data)
+        missing = names - set(data)  # `to_dict` writes them all
         if missing:
             raise ValueError(f"unit_costs: lacks {sorted(missing)}")
         costs = _mapping(data.get("costs"), "unit_costs.costs")
@@ -189,15 +231,13 @@ class UnitCosts:
             model = CostModel(**costs)  # validates each value
         except (TypeError, ValueError) as e:
             raise ValueError(f"unit_costs.costs: {e}") from None
-        workloads = data.get("workloads") or []
+        workloads = data["workloads"]
         if not isinstance(workloads, list):
-            raise ValueError("unit_costs.workloads: expected a list of workload names")
-        try:
-            figures = float(data["tuned_us"]), float(data["default_us"]), int(data.get("trials") or 0)
-        except (TypeError, ValueError):
-            raise ValueError(f"unit_costs: tuned_us and default_us must be numbers and trials an int, got "
-                             f"{data['tuned_us']!r}, {data['default_us']!r}, {data.get('trials')!r}") from None
-        return cls(model, *figures, str(data.get("date", "")), tuple(str(w) for w in workloads))
+            raise ValueError(f"unit_costs.workloads: expected a list of workload names, got {workloads!r}")
+        return cls(model, _figure(data["tuned_us"], "unit_costs.tuned_us"),
+                   _figure(data["default_us"], "unit_costs.default_us"),
+                   _count(data["trials"], "unit_costs.trials", least=1), _date(data["date"], "unit_costs.date"),
+                   tuple(_text(w, "unit_costs.workloads") for w in workloads))
 
 
 @dataclass(frozen=True)
@@ -225,45 +265,61 @@ def table_path(directory: Path, arch: str, gpu: str) -> Path:
     return Path(directory) / parse_arch(arch) / f"{gpu_file_stem(gpu)}.yaml"
 
 
-def load(path: Path) -> Table:
-    """Read and check a table (raises `TableError` with the file and the reason)."""
+def load(path: Path, check_entries: bool = True) -> Table:
+    """Read and check a table (raises `TableError` with the file and the reason). ``check_entries``
+    False skips the schema-2 count and digest of the entries (`splitkv.autotune.writing.rewrite`)."""
     path = Path(path)
+    return parse_text(_read_text(path), path, check_entries)
+
+
+def parse_text(text: str, source, check_entries: bool = True) -> Table:
+    """The table a file's ``text`` holds (`TableError` names ``source``, the file, and the reason)."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise TableError(f"{path}: cannot be read ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise TableError(f"{path}: not text ({e})") from None
-    except yaml.YAMLError as e:
-        raise TableError(f"{path}: not valid YAML ({e})") from None
+        data = yaml.load(text, Loader=_YAML_LOADER)
+    except (yaml.YAMLError, ValueError, TypeError, RecursionError) as e:  # ValueError: an unquoted 2026-13-01
+        raise TableError(f"{source}: not valid YAML ({e})") from None
     try:
-        return parse(data)
+        return parse(data, check_entries)
     except (ValueError, TypeError, KeyError) as e:
-        raise TableError(f"{path}: {e}") from None
+        raise TableError(f"{source}: {e}") from None
 
 
-def parse(data) -> Table:
+def parse(data, check_entries: bool = True) -> Table:
+    """The table of YAML's ``data``, every field checked (see the module notes; ValueError)."""
     if not isinstance(data, dict):
         raise ValueError("a table must be a mapping with a header and 'entries'")
-    if data.get("schema") != SCHEMA:
-        raise ValueError(f"schema {data.get('schema')!r}; this splitkv reads schema {SCHEMA}")
-    missing = set(HEADER_FIELDS) - set(data)
+    schema = data.get("schema")
+    if type(schema) is not int or schema not in READ_SCHEMAS:
+        raise ValueError(f"schema {schema!r}; this splitkv reads schemas {list(READ_SCHEMAS)}")
+    checks = CHECK_FIELDS if schema >= 2 else ()
+    missing = (set(HEADER_FIELDS) | set(checks)) - set(data)
     if missing:
         raise ValueError(f"header lacks {sorted(missing)}")
-    unknown = set(data) - set(HEADER_FIELDS) - {"entries", "unit_costs"}
+    unknown = set(data) - set(HEADER_FIELDS) - set(checks) - {"entries", "unit_costs"}
     if unknown:
         raise ValueError(f"unknown header fields {sorted(unknown)}")
-    header = {k: data[k] for k in HEADER_FIELDS}
-    header["arch"] = parse_arch(header["arch"])
-    entries = data.get("entries") or []
+    header = _header(data)
+    if "entries" not in data:
+        raise ValueError("no 'entries' (a table lists them, '[]' when it holds none)")
+    entries = data["entries"]
     if not isinstance(entries, list):
-        raise ValueError("'entries' must be a list")
+        raise ValueError(f"'entries' must be a list, got {entries!r}")
+    if checks and check_entries:  # the count before the entries: a cut between entries says so
+        count = _count(data["entries_count"], "entries_count")
+        if len(entries) != count:
+            raise ValueError(f"lists {len(entries)} entries where its header counts {count}: the file was cut "
+                             f"short, or changed since it was written")
     parsed = []
     for i, item in enumerate(entries):
         try:
             parsed.append(Entry.from_dict(item, header["arch"]))
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"entry {i}: {e}") from None
+    if checks and check_entries and data["entries_sha256"] != entries_digest(entries):  # after the checks,
+        # which bound what the entries can hold (YAML aliases could make a small file a vast JSON text)
+        raise ValueError("the entries do not match the header's entries_sha256: the file was cut short, or "
+                         "changed since it was written (splitkv.autotune.writing.rewrite writes a table edited "
+                         "by hand anew)")
     seen = set()
     for e in parsed:
         if (e.key, e.bucket.name) in seen:
@@ -271,6 +327,42 @@ def parse(data) -> Table:
         seen.add((e.key, e.bucket.name))
     unit_costs = None if data.get("unit_costs") is None else UnitCosts.from_dict(data["unit_costs"])
     return Table(header, tuple(sorted(parsed, key=Entry.sort_key)), unit_costs)
+
+
+def entries_digest(entries: list) -> str:
+    """The SHA-256 (hex) of a table's entries as canonical JSON (sorted keys, no spaces): the same
+    for `Entry.to_dict`'s values as for what YAML reads back from their file."""
+    text = json.dumps(entries, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_text(path: Path) -> str:
+    """The file's text, refused (TableError) over MAX_TABLE_BYTES before any of it is parsed; a
+    file that grows while it is read cannot pass the bound either: at most one byte more is read."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(MAX_TABLE_BYTES + 1) if size <= MAX_TABLE_BYTES else b""
+    except OSError as e:
+        raise TableError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if max(size, len(raw)) > MAX_TABLE_BYTES:
+        raise TableError(f"{path}: {max(size, len(raw))} bytes or more, over the {MAX_TABLE_BYTES} a table may "
+                         f"hold (MAX_TABLE_BYTES); not read")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TableError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def _header(data: dict) -> dict:
+    """The header fields, checked; the arch normalised ('sm_90') and the date as its ISO text."""
+    header = {k: data[k] for k in HEADER_FIELDS}
+    header["arch"] = parse_arch(_text(header["arch"], "arch"))
+    for name in ("gpu", "cuda_runtime", "nvrtc", "splitkv"):
+        _text(header[name], name)
+    _count(header["sm_count"], "sm_count", least=1)
+    header["date"] = _date(header["date"], "date")
+    return header
 
 
 def _without_retired_fields(fields: dict) -> dict:
@@ -286,6 +378,60 @@ def _mapping(value, name):
     if not isinstance(value, dict):
         raise ValueError(f"'{name}' must be a mapping, got {value!r}")
     return value
+
+
+def _optional(data: dict, name: str, check):
+    """``check(value, name)`` of a field that may be absent or null (None)."""
+    return None if data.get(name) is None else check(data[name], name)
+
+
+def _count(value, name: str, least: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name}: expected an int >= {least}, got {value!r}")
+    return value
+
+
+def _figure(value, name: str, most: float = math.inf) -> float:
+    """A measured figure: a finite number above 0, and at most ``most``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 < value <= most:
+        bound = "" if most == math.inf else f" and at most {most:g}"
+        raise ValueError(f"{name}: expected a finite number above 0{bound}, got {value!r}")
+    return float(value)
+
+
+def _text(value, name: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name}: expected a non-empty string, got {value!r}")
+    return value
+
+
+_DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def _date(value, name: str) -> str:
+    """An ISO date's text ('2026-12-02'); YAML reads an unquoted one as a date."""
+    if type(value) is datetime.date:
+        return value.isoformat()
+    if isinstance(value, str) and _DATE_RE.fullmatch(value):
+        try:
+            datetime.date.fromisoformat(value)
+            return value
+        except ValueError:
+            pass
+    raise ValueError(f"{name}: expected a date 'YYYY-MM-DD', got {value!r}")
+
+
+def _exhaustive(value, name: str) -> dict:
+    """An entry's exhaustive record (EXHAUSTIVE_COUNTS and EXHAUSTIVE_FIGURES, each optional or null)."""
+    record = _mapping(value, name)
+    unknown = set(record) - set(EXHAUSTIVE_COUNTS) - set(EXHAUSTIVE_FIGURES)
+    if unknown:
+        raise ValueError(f"{name}: unknown fields {sorted(unknown)}")
+    for field, figure in record.items():
+        if figure is not None:
+            (_count if field in EXHAUSTIVE_COUNTS else _figure)(figure, f"{name}.{field}")
+    return dict(record)
 
 
 def _round(x):

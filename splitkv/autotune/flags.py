@@ -14,15 +14,14 @@ import os
 from pathlib import Path
 
 from ..spec import kv_token_bytes
+from ..tuned.keys import MAX_BATCH as MAX_BUCKET_BATCH  # a launch grid's z extent
+from ..tuned.keys import MAX_SEQ_LEN as MAX_BUCKET_LEN  # lengths are int32 on the device
 from ..tuned.keys import REFERENCE_KV_HEADS
 from .studies import journal_path
 
 #: The K/V bytes of one bucket's inputs that a tuning run may allocate on one GPU (the largest key
 #: of the run): far past any bucket worth tuning, well inside an H200's memory.
 MAX_BUCKET_KV_BYTES = 64 << 30
-#: A bucket's lengths are int32 on the device; its batch is a launch grid's z extent.
-MAX_BUCKET_LEN = (1 << 31) - 1
-MAX_BUCKET_BATCH = 65535
 #: The drivers SQLAlchemy picks for a dialect without a '+driver', and the modules drivers import as.
 _DEFAULT_DRIVERS = {"postgresql": "psycopg2", "mysql": "mysqldb"}
 _DRIVER_MODULES = {"mysqldb": "MySQLdb", "pymysql": "pymysql", "psycopg2": "psycopg2", "psycopg": "psycopg",

@@ -69,8 +69,13 @@ def test_a_bad_flag_is_one_line_and_exit_2_before_any_work(capsys, tmp_path, no_
 def test_postgresql_without_its_driver_says_which_to_install(capsys, tmp_path, no_work, monkeypatch):
     real_find_spec = flags.importlib.util.find_spec
     monkeypatch.setattr(flags.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "psycopg2" else real_find_spec(name, *a))
+                        lambda name, *a: None if name in ("psycopg", "psycopg2") else real_find_spec(name, *a))
+    # A plain URL: the driver the installed SQLAlchemy takes (psycopg 3 from SQLAlchemy 2.1 on).
     line = _refused(capsys, tmp_path, "--storage", "postgresql://tuner@db.example/tables")
+    default = flags._default_driver("postgresql")
+    assert default in ("psycopg", "psycopg2")
+    assert f"driver {default}, which is not installed here" in line and "pip install" in line
+    line = _refused(capsys, tmp_path, "--storage", "postgresql+psycopg2://tuner@db.example/tables")
     assert "driver psycopg2" in line and "pip install psycopg2-binary" in line
 
 

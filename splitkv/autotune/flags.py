@@ -22,11 +22,14 @@ from .studies import journal_path
 #: The K/V bytes of one bucket's inputs that a tuning run may allocate on one GPU (the largest key
 #: of the run): far past any bucket worth tuning, well inside an H200's memory.
 MAX_BUCKET_KV_BYTES = 64 << 30
-#: The drivers SQLAlchemy picks for a dialect without a '+driver', and the modules drivers import as.
+#: The drivers SQLAlchemy picks for a dialect without a '+driver' when it cannot be asked (2.0's;
+#: 2.1 takes psycopg 3 for postgresql: `_default_driver` asks the installed SQLAlchemy), and the
+#: modules drivers import as.
 _DEFAULT_DRIVERS = {"postgresql": "psycopg2", "mysql": "mysqldb"}
 _DRIVER_MODULES = {"mysqldb": "MySQLdb", "pymysql": "pymysql", "psycopg2": "psycopg2", "psycopg": "psycopg",
                    "pg8000": "pg8000", "mysqlconnector": "mysql.connector"}
-_DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "mysqldb": "mysqlclient", "mysqlconnector": "mysql-connector-python"}
+_DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "psycopg": "'psycopg[binary]' (or splitkv[tune-pg])",
+                    "mysqldb": "mysqlclient", "mysqlconnector": "mysql-connector-python"}
 _STORAGE_FORMS = ("sqlite:///FILE, postgresql://USER:PASSWORD@HOST/DB, mysql://... or a journal file "
                   "(*.log, *.journal or journal:PATH)")
 #: How much of an existing journal is read to recognise it.
@@ -112,7 +115,7 @@ def check_storage(parser, storage: str | None) -> None:
     if dialect == "sqlite":
         problem = _sqlite_problem(rest)
     elif dialect in _DEFAULT_DRIVERS:
-        problem = _driver_problem(dialect, driver or _DEFAULT_DRIVERS[dialect])
+        problem = _driver_problem(dialect, driver or _default_driver(dialect))
     else:
         problem = f"unknown scheme {scheme!r}; expected {_STORAGE_FORMS}"
     if problem:
@@ -160,6 +163,16 @@ def _sqlite_problem(rest: str) -> str | None:
     if not _writable(folder) or (path.exists() and not _writable(path)):
         return f"cannot write the SQLite file {path} (its folder or the file is read-only)"
     return None
+
+
+def _default_driver(dialect: str) -> str:
+    """The driver the installed SQLAlchemy connects a plain ``dialect://`` URL with."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(f"{dialect}://").get_dialect().driver
+    except Exception:  # noqa: BLE001 - no SQLAlchemy (then Optuna is missing too, said later), or a dialect it lacks
+        return _DEFAULT_DRIVERS[dialect]
 
 
 def _driver_problem(dialect: str, driver: str) -> str | None:

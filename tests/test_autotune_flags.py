@@ -147,3 +147,17 @@ def test_a_usable_run_gets_past_its_flags(capsys, tmp_path, monkeypatch):
                    "--timeout", "30", "--iters", "5", "--bucket", "b1-l2k,b4-l8k", "--storage", str(tmp_path / "t.log"),
                    "--report", str(tmp_path / "report")])
     assert reached and rc == 2 and "stop here" in capsys.readouterr().err
+
+
+def test_a_database_that_does_not_answer_is_one_line(capsys, tmp_path):
+    pytest.importorskip("optuna")
+    pytest.importorskip("psycopg")
+    # Nothing listens on port 1 of this machine: the connection is refused at once.
+    rc = cli.main(["--arch", "sm90", "--tune", "--cost-model", "--head-dim", "128", "--group", "4", "--dtype", "bf16",
+                   "--bucket", "b1-l1k", "--out", str(tmp_path / "tables"),
+                   "--storage", "postgresql+psycopg://tuner:secret@127.0.0.1:1/tables"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("splitkv-gen: --storage: cannot open postgresql+psycopg://tuner:***@127.0.0.1:1/tables: ")
+    assert "secret" not in "\n".join(err)
+    assert not (tmp_path / "tables").exists()

@@ -157,7 +157,13 @@ def run(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, page_sizes) 
         return 2
     if args.unit_costs:
         return tuning.tune_unit_costs(tune, gpu)
-    tune = dataclasses.replace(tune, storage_handle=studies.make_storage(tune.storage))
+    try:
+        handle = studies.make_storage(tune.storage)
+    except Exception as e:  # noqa: BLE001 - a server that does not answer, refused credentials, ...
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"splitkv-gen: --storage: cannot open {_shown_url(tune.storage)}: {reason}", file=sys.stderr)
+        return 2
+    tune = dataclasses.replace(tune, storage_handle=handle)
     print(f"tuning {len(tune.keys)} keys x {len(tune.buckets)} buckets = {len(tune.keys) * len(tune.buckets)} "
           f"studies of {tune.trials} trials on {gpu['name']} ({arch})", file=sys.stderr)
     if args.tune_worker:
@@ -228,6 +234,19 @@ def _remeasure(args, parser, tune: TuneRun, head_dims, group_sizes, kv_dtypes) -
         head_dims, group_sizes, kv_dtypes, None if args.page_sizes is None else tuple(p for g in args.page_sizes for p in g),
         args.kv_layout, None if not args.buckets else tuple(b.name for b in tune.buckets))
     return remeasure.run(tune, gpu, selection, unit_costs_only=bool(args.unit_costs))
+
+
+def _shown_url(storage) -> str:
+    """A storage URL as it may be printed: its password hidden."""
+    text = str(storage)
+    if "://" not in text:
+        return text
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(text).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy reads: the scheme alone
+        return text.split("://", 1)[0] + "://..."
 
 
 def _devices(parser, text):

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from splitkv.autotune import costmodel, objective, search, studies, writing
 from splitkv.heuristics import default_spec
 from splitkv.spec import KernelSpec
-from splitkv.tuned import keys, tables
+from splitkv.tuned import keys, lookup, tables
 from splitkv.tuned.keys import TuneKey
 
 GPU = "NVIDIA Fake GPU"
@@ -79,3 +81,14 @@ def searched(trials: int, bucket: str = "b1-l2k", **recording):
     search.enqueue_defaults(study, KEY, keys.parse_bucket(bucket), ARCH)
     done = search.run_trials(study, KEY, ARCH, obj, trials=trials)
     return study, obj, done
+
+
+@pytest.fixture
+def folders(monkeypatch, tmp_path):
+    """(user folder, shipped folder), both empty, and nothing remembered from earlier lookups."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    monkeypatch.setattr(lookup, "shipped_dir", lambda: shipped)
+    monkeypatch.setenv(lookup.ENV_DIR, str(user))
+    lookup.forget()
+    yield user, shipped
+    lookup.forget()

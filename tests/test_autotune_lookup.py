@@ -20,22 +20,11 @@ from splitkv.tuned import lookup, tables
 from splitkv.tuned.keys import TuneKey
 from tests.fake_gpu import _DeviceArray, fake_gpu  # noqa: F401 - fake_gpu: a fixture, used by name
 
-from autotune_helpers import (ARCH, GPU, KEY, OTHER_KEY, OTHER_SPLIT, TUNED_DENSE, TUNED_SPLIT, entry, header,
-                              save_table)
+from autotune_helpers import (ARCH, GPU, KEY, OTHER_KEY, OTHER_SPLIT, TUNED_DENSE, TUNED_SPLIT, entry,  # noqa: F401
+                              folders, header, save_table)  # folders: a fixture, used by name
 
 
 # ---- lookup --------------------------------------------------------------------------------------
-
-@pytest.fixture
-def folders(monkeypatch, tmp_path):
-    """(user folder, shipped folder), both empty, and nothing remembered from earlier lookups."""
-    user, shipped = tmp_path / "user", tmp_path / "shipped"
-    monkeypatch.setattr(lookup, "shipped_dir", lambda: shipped)
-    monkeypatch.setenv(lookup.ENV_DIR, str(user))
-    lookup.forget()
-    yield user, shipped
-    lookup.forget()
-
 
 def _found(key=KEY, gpu=GPU, arch=ARCH):
     return lookup.find(arch, gpu, key)

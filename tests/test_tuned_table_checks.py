@@ -18,20 +18,9 @@ from splitkv.autotune import writing
 from splitkv.tuned import lookup, tables
 from splitkv.work_units import CostModel
 
-from autotune_helpers import ARCH, GPU, KEY, TUNED_DENSE, TUNED_SPLIT, entry, header, save_table
+from autotune_helpers import ARCH, GPU, KEY, TUNED_DENSE, TUNED_SPLIT, entry, folders, header, save_table  # noqa: F401 - folders: a fixture
 
 SHIPPED = lookup.shipped_dir() / "sm_90" / "NVIDIA_H200.yaml"
-
-
-@pytest.fixture
-def folders(monkeypatch, tmp_path):
-    """(user folder, shipped folder), both empty, and nothing remembered from earlier lookups."""
-    user, shipped = tmp_path / "user", tmp_path / "shipped"
-    monkeypatch.setattr(lookup, "shipped_dir", lambda: shipped)
-    monkeypatch.setenv(lookup.ENV_DIR, str(user))
-    lookup.forget()
-    yield user, shipped
-    lookup.forget()
 
 
 def valid_table_data() -> dict:

@@ -5,8 +5,10 @@ the split program writes (normalised partial outputs and their base-2 log-sum-ex
 and merges them exactly as the merge program does, so a planner or merge bug shows up on the CPU
 without a GPU in the loop.
 
-Shapes: q ``[B, Hq, D]``; k and v ``[B, L_max, Hkv, D]``; ``seq_lens`` ``[B]``. Query head ``i``
-reads K/V head ``i // (Hq // Hkv)``.
+Shapes: q ``[B, Hq, D]`` (or ``[B, T, Hq, D]``: T query tokens per sequence, `attention_reference`
+only); k and v ``[B, L_max, Hkv, D]``; ``seq_lens`` ``[B]``. Query head ``i`` reads K/V head
+``i // (Hq // Hkv)``. `attention_reference` also states the attention variants (several query
+tokens, a sliding window, a logits soft-cap, attention sinks) that the programs are checked against.
 """
 
 from __future__ import annotations
@@ -21,25 +23,61 @@ _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 
 
-def attention_reference(q, k, v, seq_lens, sm_scale=None):
-    """Exact decode attention in float64. Returns ``(out [B, Hq, D], lse [B, Hq])``.
+def attention_reference(q, k, v, seq_lens, sm_scale=None, *, window_left=-1, logits_soft_cap=0.0, sinks=None):
+    """Exact decode attention in float64. Returns ``(out, lse)``: ``[B, Hq, D]`` and ``[B, Hq]`` for
+    q ``[B, Hq, D]``; ``[B, T, Hq, D]`` and ``[B, T, Hq]`` for q ``[B, T, Hq, D]`` (T query tokens).
 
     ``lse`` is the natural-log log-sum-exp of the scaled logits. A length-0 sequence gives zeros
-    and ``-inf``.
+    and ``-inf``. The attention variants, as `DecodeAttention` states them:
+
+    - T query tokens per sequence: ``seq_lens`` counts the K/V tokens including the T new ones, and
+      query token t sits at position ``seq_len - T + t`` and attends to the positions up to its own.
+    - ``window_left`` w (-1: none): the query at position p attends to positions ``p - w .. p``.
+    - ``logits_soft_cap`` c (0: none): each scaled logit s becomes ``c * tanh(s / c)`` before the softmax.
+    - ``sinks`` ``[Hq]`` (None: none): each query head's softmax denominator gains ``exp(sink)``;
+      ``lse`` stays the log-sum-exp over the tokens alone.
     """
-    q, k, v, lens, scale = _prepare(q, k, v, seq_lens, sm_scale)
-    batch, num_q_heads, head_dim = q.shape
-    group = num_q_heads // k.shape[2]
-    max_len = k.shape[1]
+    tokens = np.asarray(q).ndim == 4
+    q4 = _as_f64("q", q, 4) if tokens else _as_f64("q", q, 3)[:, None]
+    batch, num_tokens, num_q_heads, head_dim = q4.shape
+    k3, v3 = _as_f64("k", k, 4), _as_f64("v", v, 4)
+    _, _, _, lens, scale = _prepare(q4[:, 0], k3, v3, seq_lens, sm_scale)
+    window_left, logits_soft_cap, sinks = _check_variants(window_left, logits_soft_cap, sinks, num_q_heads)
+    group = num_q_heads // k3.shape[2]
+    max_len = k3.shape[1]
 
-    # [B, Hkv, G, D] x [B, L, Hkv, D] -> [B, Hkv, G, L]
-    logits = np.einsum("bhgd,blhd->bhgl", _grouped(q, group), k) * scale
-    valid = np.arange(max_len)[None, :] < lens[:, None]  # [B, L]
-    logits = np.where(valid[:, None, None, :], logits, -np.inf)
-    v = np.where(valid[:, :, None, None], v, 0.0)  # a cache may hold garbage, even NaN, past the end
+    # [B, T, Hkv, G, D] x [B, L, Hkv, D] -> [B, Hkv, G, T, L]
+    logits = np.einsum("bthgd,blhd->bhgtl", q4.reshape(batch, num_tokens, -1, group, head_dim), k3) * scale
+    if logits_soft_cap:
+        logits = logits_soft_cap * np.tanh(logits / logits_soft_cap)
+    position = lens[:, None] - num_tokens + np.arange(num_tokens)[None, :]  # [B, T]: each query token's
+    token = np.arange(max_len)[None, None, :]
+    valid = (token <= position[:, :, None]) & (token < lens[:, None, None])  # [B, T, L]
+    if window_left >= 0:
+        valid &= token >= position[:, :, None] - window_left
+    logits = np.where(valid[:, None, None], logits, -np.inf)
+    in_length = np.arange(max_len)[None, :] < lens[:, None]
+    v3 = np.where(in_length[:, :, None, None], v3, 0.0)  # a cache may hold garbage, even NaN, past the end
 
-    out, lse = _softmax_v(logits, v, "bhgl,blhd->bhgd")
-    return out.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
+    sink = None if sinks is None else sinks.reshape(1, -1, group, 1, 1)  # [1, Hkv, G, 1, 1], as the max
+    out, lse = _softmax_v(logits, v3, "bhgtl,blhd->bhgtd", sink)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, num_tokens, num_q_heads, head_dim)
+    lse = lse.transpose(0, 3, 1, 2).reshape(batch, num_tokens, num_q_heads)
+    return (out, lse) if tokens else (out[:, 0], lse[:, 0])
+
+
+def _check_variants(window_left, logits_soft_cap, sinks, num_q_heads):
+    """The variant arguments as `attention_reference` uses them; ValueError naming a bad one."""
+    if isinstance(window_left, bool) or not isinstance(window_left, (int, np.integer)) or window_left < -1:
+        raise ValueError(f"window_left: expected -1 (no window) or a count of 0 or more tokens, got {window_left!r}")
+    cap = float(logits_soft_cap)
+    if not (math.isfinite(cap) and cap >= 0):
+        raise ValueError(f"logits_soft_cap: expected 0 (none) or a positive finite cap, got {logits_soft_cap!r}")
+    if sinks is not None:
+        sinks = np.asarray(sinks, dtype=np.float64)
+        if sinks.shape != (num_q_heads,):
+            raise ValueError(f"sinks: expected shape ({num_q_heads},) [num_qo_heads], got {sinks.shape}")
+    return int(window_left), cap, sinks
 
 
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, layout="NHD", sm_scale=None):
@@ -170,15 +208,20 @@ def emulate_unit_decode(q, k, v, seq_lens, plan, sm_scale=None):
 
 # ---- helpers ------------------------------------------------------------------------------------
 
-def _softmax_v(logits, v, subscripts):
-    """Stable softmax over the last axis of ``logits`` applied to ``v``; fully masked rows -> 0, -inf."""
+def _softmax_v(logits, v, subscripts, sink=None):
+    """Stable softmax over the last axis of ``logits`` applied to ``v``; fully masked rows -> 0, -inf.
+    ``sink`` (broadcast against ``logits`` without its last axis, plus a unit one): a logit per row
+    that joins the denominator only; the log-sum-exp returned is over ``logits`` alone."""
     m = logits.max(axis=-1, keepdims=True, initial=-np.inf)  # L_max may be 0
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(logits - m_safe)  # exp(-inf) is exactly 0 for masked tokens
     denom = p.sum(axis=-1)
     has_mass = denom != 0  # NaN from bad inputs must reach the output, not turn into 0
     safe_denom = np.where(has_mass, denom, 1.0)
-    out = np.einsum(subscripts, p, v) / safe_denom[..., None]
+    normaliser = safe_denom
+    if sink is not None:  # exp(sink) in the units of p: exp(sink - m)
+        normaliser = safe_denom + np.where(has_mass, np.exp(sink - m_safe)[..., 0], 0.0)
+    out = np.einsum(subscripts, p, v) / normaliser[..., None]
     lse = np.where(has_mass, m_safe[..., 0] + np.log(safe_denom), -np.inf)
     return out, lse
 

@@ -264,3 +264,94 @@ def test_emulator_runs_a_plan_padded_to_whole_clusters(rng):
     assert cluster == 16 and padded.num_splits > int(padded.splits_per_seq.max())
     q, k, v, lens = make_inputs(rng, lens, num_kv_heads=1, group=4, head_dim=16)
     assert_matches(*emulate_split_decode(q, k, v, lens, padded), *attention_reference(q, k, v, lens))
+
+
+# ---- the attention variants: several query tokens, sliding window, soft-cap, sinks ----------------
+def _variant_by_hand(q, k, v, lens, scale, window_left, cap, sinks):
+    """The variants' definitions, one query row and one token at a time."""
+    batch, tokens, num_q, dim = q.shape
+    group = num_q // k.shape[2]
+    out, lse = np.zeros(q.shape), np.full((batch, tokens, num_q), -np.inf)
+    for b in range(batch):
+        for t in range(tokens):
+            position = lens[b] - tokens + t
+            for h in range(num_q):
+                seen = [j for j in range(lens[b]) if j <= position and (window_left < 0 or j >= position - window_left)]
+                if not seen:
+                    continue
+                logits = []
+                for j in seen:
+                    s = scale * float(q[b, t, h] @ k[b, j, h // group])
+                    logits.append(cap * math.tanh(s / cap) if cap else s)
+                m = max(logits)
+                weights = [math.exp(s - m) for s in logits]
+                total = sum(weights) + (math.exp(sinks[h] - m) if sinks is not None else 0.0)
+                out[b, t, h] = sum(w * v[b, j, h // group] for w, j in zip(weights, seen)) / total
+                lse[b, t, h] = m + math.log(sum(weights))
+    return out, lse
+
+
+@pytest.mark.parametrize("tokens, window_left, cap, with_sinks", [
+    (1, -1, 0.0, False), (4, -1, 0.0, False), (1, 5, 0.0, False), (3, 2, 0.0, False), (1, -1, 0.7, False),
+    (1, -1, 0.0, True), (5, 3, 1.5, True), (2, 0, 0.0, True), (16, 6, 30.0, False),
+])
+def test_variants_match_their_definitions(tokens, window_left, cap, with_sinks):
+    rng = np.random.default_rng(tokens * 100 + window_left + 7)
+    batch, num_kv, group, dim, max_len = 3, 2, 3, 8, 24
+    q = rng.standard_normal((batch, tokens, num_kv * group, dim))
+    k = rng.standard_normal((batch, max_len, num_kv, dim)) * 2
+    v = rng.standard_normal((batch, max_len, num_kv, dim))
+    lens = np.array([max_len, tokens + 3, tokens])
+    k[1, lens[1]:] = v[1, lens[1]:] = np.nan  # past a length: never read
+    sinks = rng.standard_normal(num_kv * group) * 2 if with_sinks else None
+    out, lse = attention_reference(q, k, v, lens, 0.4, window_left=window_left, logits_soft_cap=cap, sinks=sinks)
+    want_out, want_lse = _variant_by_hand(q, k, v, lens, 0.4, window_left, cap, sinks)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_one_query_token_is_the_decode_of_the_sequence_so_far():
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((2, 4, 8, 16))
+    k, v = rng.standard_normal((2, 40, 2, 16)), rng.standard_normal((2, 40, 2, 16))
+    lens = np.array([40, 9])
+    out, lse = attention_reference(q, k, v, lens)
+    for t in range(4):  # token t sees the first len - 4 + t + 1 positions, as a decode of that length
+        step_out, step_lse = attention_reference(q[:, t], k, v, lens - 4 + t + 1)
+        np.testing.assert_allclose(out[:, t], step_out, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(lse[:, t], step_lse, rtol=1e-13, atol=1e-13)
+
+
+def test_sinks_scale_the_output_and_leave_lse():
+    rng = np.random.default_rng(12)
+    q, k, v = rng.standard_normal((2, 4, 8)), rng.standard_normal((2, 30, 2, 8)), rng.standard_normal((2, 30, 2, 8))
+    lens, sinks = np.array([30, 0]), np.array([0.5, -1.0, 2.0, -np.inf])
+    out, lse = attention_reference(q, k, v, lens)
+    with_sinks, lse_sinks = attention_reference(q, k, v, lens, sinks=sinks)
+    np.testing.assert_array_equal(lse_sinks, lse)
+    share = np.exp(lse[0]) / (np.exp(lse[0]) + np.exp(sinks))  # the tokens' share of the denominator
+    np.testing.assert_allclose(with_sinks[0], out[0] * share[:, None], rtol=1e-13)
+    assert (with_sinks[1] == 0).all() and np.isneginf(lse_sinks[1]).all()  # an empty sequence stays empty
+
+
+def test_a_window_past_the_sequence_and_a_huge_cap_change_nothing():
+    rng = np.random.default_rng(13)
+    q, k, v = rng.standard_normal((2, 3, 4, 8)), rng.standard_normal((2, 20, 1, 8)), rng.standard_normal((2, 20, 1, 8))
+    lens = np.array([20, 5])
+    plain = attention_reference(q, k, v, lens)
+    for result in (attention_reference(q, k, v, lens, window_left=20),
+                   attention_reference(q, k, v, lens, logits_soft_cap=1e9)):
+        np.testing.assert_allclose(result[0], plain[0], rtol=1e-9)
+        np.testing.assert_allclose(result[1], plain[1], rtol=1e-9)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"window_left": -2}, "window_left: expected -1"), ({"window_left": 1.5}, "window_left: expected -1"),
+    ({"logits_soft_cap": -1.0}, "logits_soft_cap: expected 0"), ({"logits_soft_cap": math.inf}, "logits_soft_cap"),
+    ({"sinks": np.zeros(3)}, r"sinks: expected shape \(4,\)"),
+])
+def test_bad_variant_arguments(kwargs, message):
+    q, k = np.zeros((1, 4, 8)), np.zeros((1, 5, 1, 8))
+    with pytest.raises(ValueError, match=message):
+        attention_reference(q, k, k, [5], **kwargs)

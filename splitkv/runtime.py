@@ -150,9 +150,9 @@ class DecodeAttention:
             raise TypeError(f"tuned: expected True or False, got {tuned!r}")
         self._tuned = None
         self._tuned_allowed = spec is None and dense_spec is None  # the built-in or tuned programs
-        if tuned and spec is None and dense_spec is None:
-            key = TuneKey(head_dim, self.group_size, q_dtype, kv_dtype, self.page_size, kv_layout)
-            self._tuned = lookup.find(self.arch, gpu_name(self.device), key)
+        self._key = TuneKey(head_dim, self.group_size, q_dtype, kv_dtype, self.page_size, kv_layout)
+        if tuned and self._tuned_allowed:
+            self._tuned = lookup.find(self.arch, gpu_name(self.device), self._key)
         self.tuned_source = self._tuned.source if self._tuned else None
         self.tuned_entry = None
         if unit_costs is not None and not isinstance(unit_costs, CostModel):
@@ -429,8 +429,7 @@ class DecodeAttention:
         Returns what it did (`warmup.WarmupReport`)."""
         from . import warmup
 
-        key = TuneKey(self.head_dim, self.group_size, self.split_spec.q_dtype, self.split_spec.kv_dtype,
-                      self.page_size, self.kv_layout)
+        key = self._key
         if self._tuned_allowed:
             specs, entries = warmup.programs_to_warm(self.arch, gpu_name(self.device), key, self.num_kv_heads,
                                                      max_batch, max_len, tuned=self._tuned is not None)
@@ -438,7 +437,7 @@ class DecodeAttention:
             warmup.check_ranges(max_batch, max_len)
             specs, entries = warmup.programs_of_specs(self.split_spec, self.dense_spec, key), 0
 
-        def load(spec):
+        def load(spec):  # into the loader's cache, which plans' own spec objects then find
             from .codegen.load import load_kernel
 
             with streams.on_device(self.device):

@@ -71,7 +71,7 @@ _BEFORE = (
     ("        return is_last != 0;\n", "        if (is_last) splitkv_stamp(4);\n"),  # the row's (or slice's) last CTA
 )
 #: The ends of the global merges (a row's, a cluster rank's slice), followed by the "done" stamp.
-_TAILS = ("                                                num_qo_heads, num_splits, slots_used, lane);\n",
+_TAILS = ("rows_per_slot, num_splits, slots_used, lane, MergedRow{at, row});\n        }\n",
           "rank * SLICE, slice_end, rank, CLUSTER, warp, lane);\n")
 
 

@@ -402,14 +402,15 @@ def _is_contiguous(shape: tuple, strides: tuple) -> bool:
 # ---- new outputs -------------------------------------------------------------------------------
 
 def new_output(q: Any, *, lse: bool = False, stream: int | None = None):
-    """An uninitialised out [B, Hq, D] in q's dtype (or lse [B, Hq] in float32) on q's device:
+    """An uninitialised out of q's shape and dtype (or lse of q's shape without its last axis, float32)
+    on q's device:
     from torch's allocator for torch tensors (on ``stream`` when it is not torch's current one),
     else from CuPy's, on CuPy's current stream (a CuPy q's own dtype; for other arrays bf16 as
     uint16, CuPy's carrier)."""
     if _is_torch(q):
         import torch
 
-        shape, dtype = (q.shape[:2], torch.float32) if lse else (q.shape, q.dtype)
+        shape, dtype = (q.shape[:-1], torch.float32) if lse else (q.shape, q.dtype)
         if stream is None or stream == _torch_current_stream(q.get_device()):
             return torch.empty(shape, dtype=dtype, device=q.device)
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=q.device)):
@@ -424,7 +425,7 @@ def new_output(q: Any, *, lse: bool = False, stream: int | None = None):
     else:
         dtype = _CUPY_CARRIERS.get(info.dtype, cupy.float16)  # a bad q fails validation
     with cupy.cuda.Device(info.device):  # None: the current one
-        return cupy.empty(info.shape[:2] if lse else info.shape, dtype=dtype)
+        return cupy.empty(info.shape[:-1] if lse else info.shape, dtype=dtype)
 
 
 _CUPY_CARRIERS = {"bf16": np.uint16, "fp16": np.float16}

@@ -21,6 +21,7 @@ from .plan import SplitPlan
 from .quantized_kv import QuantizedKV
 from .spec import KernelSpec
 from .tensor_map import MAP_BYTES
+from .variants import PLAIN, AttentionVariant
 from .work_units import UnitPlan
 
 #: The merge program's CTA size; one warp merges one output row.
@@ -80,6 +81,7 @@ class Launch:
     empty_kv_ptr: int = 0  # tma with every length 0: one tile of memory for maps of an empty cache
     table: BlockTable | None = None  # paged caches: the block table the plan reads through
     units: UnitTables | None = None  # units plans: the work-unit tables on the device
+    attention: AttentionVariant = PLAIN  # the attention variant compiled into the programs
 
     def check_inputs(self, shapes) -> None:
         """ValueError unless inputs of these `tensors.DecodeShapes` fit this launch: its batch, head
@@ -91,6 +93,9 @@ class Launch:
         if got != expected:
             raise ValueError(f"q/k/v: planned for (batch, num_qo_heads, num_kv_heads, head_dim, q_dtype, "
                              f"kv_dtype) = {expected}, got {got}")
+        if shapes.query_tokens != self.attention.query_tokens:
+            raise ValueError(f"q: planned for {self.attention.query_tokens} query token(s) per sequence "
+                             f"(plan(query_tokens=...)), got q of {shapes.query_tokens}")
         if self.table is None and shapes.max_len < self.max_len:
             raise ValueError(f"k: holds {shapes.max_len} tokens (k.shape[1]) but the plan has a sequence of "
                              f"{self.max_len}")
@@ -108,11 +113,12 @@ class Launch:
         return dataclasses.replace(self, decode_fn=function)
 
     def enqueue(self, args: Arguments, stream: int, pointers: tuple, quantized: tuple, kv_shape: tuple,
-                tensor_maps) -> None:
+                tensor_maps, sinks: int = 0) -> None:
         """Writes the run's fields into ``args`` (the calling thread's structs; bound to this launch
         first if they were not) and enqueues the programs on ``stream``. ``pointers``: the
         addresses of q, k, v, out, lse (0: none); ``quantized``: the quantized-cache fields `read_arrays` gives; ``kv_shape``:
-        k's shape (a quantized cache's values'); ``tensor_maps``: the instance's `TensorMapCache`."""
+        k's shape (a quantized cache's values'); ``tensor_maps``: the instance's `TensorMapCache`;
+        ``sinks``: the address of the sinks' array (0: none)."""
         if args.bound is not self:
             args.bind(self)
         table = self.table
@@ -124,6 +130,7 @@ class Launch:
         (words[_K_SCALE], words[_V_SCALE], words[_K_BLOCKS], words[_V_BLOCKS],
          ints[_K_PER_HEAD], ints[_V_PER_HEAD]) = quantized
         ints[_MAX_LEN], ints[_NUM_PAGES] = cache_len, num_pages
+        words[_SINKS] = sinks
         if args.map_view is not None:
             maps = (pointers[1], pointers[2], cache_len, num_pages)
             if maps != args.maps_written:  # the same caches as the last run: the struct holds their maps
@@ -131,7 +138,7 @@ class Launch:
                 args.maps_written = maps
         launch_kernel(args.decode_call, stream, args.decode_argument)
         if args.merge_call is not None:
-            args.merge_words[_M_OUT], args.merge_words[_M_LSE] = pointers[3], pointers[4]
+            args.merge_words[_M_OUT], args.merge_words[_M_LSE], args.merge_words[_M_SINKS] = pointers[3], pointers[4], sinks
             args.merge_ints[_M_MAX_LEN] = cache_len
             launch_kernel(args.merge_call, stream, args.merge_argument)
 
@@ -202,6 +209,9 @@ class Arguments:
         words[_UNITS] = units.ptr if units else 0
         ints[_NUM_KV_HEADS], ints[_TOKENS_PER_SPLIT] = heads.num_kv_heads, 0 if units else plan.tokens_per_split
         self.decode_floats[_SCALE_LOG2] = heads.scale_log2
+        attention = launch.attention
+        ints[_WINDOW_LEFT] = attention.window_left
+        self.decode_floats[_SOFT_CAP_LOG2] = attention.soft_cap_log2
         self.decode_call = (launch.decode_fn.kernel.ptr, *launch.grid, spec.threads, 1, 1, spec.smem_bytes)
         self.map_view = self.maps_written = None
         if spec.kv_copy == "tma":
@@ -213,17 +223,23 @@ class Arguments:
         if launch.merge_fn is not None:
             words, ints = self.merge_words, self.merge_ints
             words[_M_PARTIAL_O], words[_M_PARTIAL_LSE] = partial_o, partial_lse
+            # Where the decode program's rows land (merge.cuh's OutRows), for either plan.
+            ints[_M_NUM_QO_HEADS], ints[_M_GROUP] = heads.num_qo_heads, heads.num_qo_heads // heads.num_kv_heads
+            ints[_M_QUERY_TOKENS], ints[_M_ROW_BLOCKS], ints[_M_CTA_ROWS] = (attention.query_tokens, spec.row_blocks,
+                                                                             spec.cta_rows)
+            ints[_M_WINDOW_LEFT], ints[_M_WINDOW_ALIGN] = attention.window_left, spec.tile_tokens
             if units:
                 words[_M_SEQ_LENS], words[_M_UNITS] = 0, units.ptr
-                ints[_M_BATCH] = ints[_M_NUM_QO_HEADS] = ints[_M_NUM_SPLITS] = ints[_M_TOKENS_PER_SPLIT] = 0
-                ints[_M_GROUP], ints[_M_MAX_UNITS] = heads.num_qo_heads // heads.num_kv_heads, units.max_units
+                ints[_M_BATCH] = ints[_M_NUM_SPLITS] = ints[_M_TOKENS_PER_SPLIT] = 0
+                ints[_M_MAX_UNITS], ints[_M_ROWS_PER_SLOT] = units.max_units, 0
                 blocks = units.merge_blocks
             else:
                 words[_M_SEQ_LENS], words[_M_UNITS] = seq_lens, 0
-                ints[_M_BATCH], ints[_M_NUM_QO_HEADS] = launch.batch, heads.num_qo_heads
+                ints[_M_BATCH] = launch.batch
                 ints[_M_NUM_SPLITS], ints[_M_TOKENS_PER_SPLIT] = plan.num_splits, plan.tokens_per_split
-                ints[_M_GROUP] = ints[_M_MAX_UNITS] = 0
-                blocks = -(-launch.batch * heads.num_qo_heads // (MERGE_THREADS // 32))
+                ints[_M_MAX_UNITS] = 0
+                ints[_M_ROWS_PER_SLOT] = heads.num_kv_heads * spec.row_blocks * spec.cta_rows
+                blocks = -(-launch.batch * ints[_M_ROWS_PER_SLOT] // (MERGE_THREADS // 32))  # a warp per row
             self.merge_call = (launch.merge_fn.kernel.ptr, blocks, 1, 1, MERGE_THREADS, 1, 1, 0)
         self.bound = launch
 
@@ -254,15 +270,18 @@ def _int(layout, name: str) -> int:
 _Q, _K, _V, _OUT, _LSE = (_word(DECODE, f) for f in ("q", "k", "v", "out", "lse"))
 _K_SCALE, _V_SCALE, _K_BLOCKS, _V_BLOCKS = (_word(DECODE, f) for f in
                                             ("k_scale", "v_scale", "k_block_scales", "v_block_scales"))
-_SEQ_LENS, _PARTIAL_O, _PARTIAL_LSE, _COUNTERS, _BLOCK_TABLE, _UNITS = (
-    _word(DECODE, f) for f in ("seq_lens", "partial_o", "partial_lse", "counters", "block_table", "units"))
+_SEQ_LENS, _PARTIAL_O, _PARTIAL_LSE, _COUNTERS, _BLOCK_TABLE, _UNITS, _SINKS = (
+    _word(DECODE, f) for f in ("seq_lens", "partial_o", "partial_lse", "counters", "block_table", "units", "sinks"))
+_WINDOW_LEFT, _SOFT_CAP_LOG2 = (_int(DECODE, f) for f in ("window_left", "soft_cap_log2"))
 _K_PER_HEAD, _V_PER_HEAD, _MAX_LEN, _NUM_PAGES = (_int(DECODE, f) for f in
                                                   ("k_per_head", "v_per_head", "max_len", "num_pages"))
 _NUM_KV_HEADS, _TOKENS_PER_SPLIT, _TABLE_STRIDE, _SCALE_LOG2 = (
     _int(DECODE, f) for f in ("num_kv_heads", "tokens_per_split", "table_stride", "scale_log2"))
 _K_MAP, _V_MAP = DECODE.offset["k_map"], DECODE.offset["v_map"]
-_M_PARTIAL_O, _M_PARTIAL_LSE, _M_OUT, _M_LSE, _M_SEQ_LENS, _M_UNITS = (
-    _word(MERGE, f) for f in ("partial_o", "partial_lse", "out", "lse", "seq_lens", "units"))
+_M_PARTIAL_O, _M_PARTIAL_LSE, _M_OUT, _M_LSE, _M_SEQ_LENS, _M_UNITS, _M_SINKS = (
+    _word(MERGE, f) for f in ("partial_o", "partial_lse", "out", "lse", "seq_lens", "units", "sinks"))
+_M_QUERY_TOKENS, _M_ROW_BLOCKS, _M_CTA_ROWS, _M_ROWS_PER_SLOT, _M_WINDOW_LEFT, _M_WINDOW_ALIGN = (
+    _int(MERGE, f) for f in ("query_tokens", "row_blocks", "cta_rows", "rows_per_slot", "window_left", "window_align"))
 _M_BATCH, _M_NUM_QO_HEADS, _M_NUM_SPLITS, _M_TOKENS_PER_SPLIT, _M_MAX_LEN, _M_GROUP, _M_MAX_UNITS = (
     _int(MERGE, f) for f in ("batch", "num_qo_heads", "num_splits", "tokens_per_split", "max_len", "group",
                              "max_units"))
@@ -321,15 +340,15 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple, tuple]:
             ptr = 0
             layout.append(())
         elif kind == _QUANTIZED:  # its parts' layouts and its format; its scales' fields
-            values, ptr = _read(x.values, f"{name}.values")
-            blocks, blocks_ptr = _read(x.block_scales, f"{name}.block_scales")
-            scale, scale_ptr = _read(x.scale, f"{name}.scale")
+            values, ptr = read_array(x.values, f"{name}.values")
+            blocks, blocks_ptr = read_array(x.block_scales, f"{name}.block_scales")
+            scale, scale_ptr = read_array(x.scale, f"{name}.scale")
             part_known = values is not None and blocks is not None and scale is not None
             known = known and part_known
             layout.append((x.kv_dtype, values, blocks, scale) if part_known else None)
             quantized.append((scale_ptr, blocks_ptr, int(_length(x.scale) > 1)))
         else:
-            entry, ptr = _read(x, name)
+            entry, ptr = read_array(x, name)
             known = known and entry is not None
             layout.append(entry)
         pointers.append(ptr)
@@ -412,7 +431,7 @@ def _read_cupy(q, k, v, out, lse) -> tuple:
     return layout, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr), _NO_QUANTIZED, k_shape
 
 
-def _read(x, name: str) -> tuple:
+def read_array(x, name: str) -> tuple:
     """(layout entry or None, device address) of one array (not a quantized cache) of any kind;
     ``name`` is what an error about it calls it."""
     kind = _kind(type(x))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from . import arrays, gpu, streams, tensors
+from . import arrays, gpu, streams, tensors, variants
 from .launch import read_arrays
 from .runtime import DecodeAttention
 from .spec import KV_LAYOUTS
@@ -26,15 +26,19 @@ _MAX_DESCRIBED = 64
 
 
 def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", validate: bool = True,
-           sm_scale: float | None = None, out=None, return_lse: bool = False, stream=None):
-    """Decode attention of ``q`` [B, Hq, D] over ``k``, ``v`` [B, L_max, Hkv, D].
+           sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float = 0.0, sinks=None,
+           out=None, return_lse: bool = False, stream=None):
+    """Decode attention of ``q`` [B, Hq, D] (or [B, T, Hq, D]: T query tokens per sequence, causal
+    among them) over ``k``, ``v`` [B, L_max, Hkv, D].
 
     ``seq_lens``: per-sequence lengths (host ints or a device int32 array; None = all L_max).
     Paged caches: ``k``, ``v`` ``[num_pages, page_size, Hkv, D]`` (``kv_layout`` 'NHD') or
     ``[num_pages, Hkv, page_size, D]`` ('HND'), ``block_table`` int32 ``[B, max_pages_per_seq]`` (host
     or device) and ``seq_lens`` required; ``validate`` checks the table (see `DecodeAttention.plan`).
-    Returns ``out`` [B, Hq, D] in q's dtype and kind (CuPy or torch), and with ``return_lse`` also
-    the natural-log log-sum-exp [B, Hq] in float32. Plans on every call (reading device lengths
+    The attention variants (`splitkv.variants` states them): ``window_left`` (-1: no sliding
+    window), ``logits_soft_cap`` (0: none), ``sinks`` (a float32 [Hq] device array, or None).
+    Returns ``out`` of q's shape, dtype and kind (CuPy or torch), and with ``return_lse`` also
+    the natural-log log-sum-exp (q's shape without its last axis) in float32. Plans on every call (reading device lengths
     back); for the hot loop of a server use `DecodeAttention` and call ``run`` per layer.
     """
     if kv_layout not in KV_LAYOUTS:
@@ -50,6 +54,9 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
     if paging and seq_lens is None:
         raise ValueError("seq_lens: a paged cache needs the lengths (its pages do not say them)")
     sm_scale = tensors.check_sm_scale(sm_scale)
+    attention = variants.PLAIN
+    if shapes.query_tokens > 1 or window_left != -1 or logits_soft_cap != 0.0 or sinks is not None:
+        attention = variants.check_variant(shapes.query_tokens, window_left, logits_soft_cap, sinks is not None)
     with streams.on_device(device):
         launch_stream = arrays.stream_ptr(qi, stream)
         if seq_lens is None:
@@ -85,10 +92,11 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
                     # here), so after those kernels.
                     _instances.popitem(last=False)
             _instances.move_to_end(key)
-            attn._plan_checked(seq_lens, block_table=block_table, validate=validate, stream=launch_stream)
+            attn._plan_checked(seq_lens, block_table=block_table, validate=validate, stream=launch_stream,
+                               attention=attention)
             if out is not None and not return_lse:
-                return attn._run_read(q, k, v, out, launch_stream, read)
-            return attn.run(q, k, v, out=out, return_lse=return_lse, stream=launch_stream)
+                return attn._run_read(q, k, v, out, launch_stream, read, sinks)
+            return attn.run(q, k, v, out=out, return_lse=return_lse, sinks=sinks, stream=launch_stream)
 
 
 def _describe(q, k, v, cache_layout: str | None, layout: tuple | None) -> tuple:

@@ -65,21 +65,22 @@ class StructLayout:
 DECODE = StructLayout((
     ("k_map", "splitkv::TensorMap", "map"),   # tma: k as [batch x max_len][num_kv_heads x HEAD_DIM]
     ("v_map", "splitkv::TensorMap", "map"),
-    ("q", "const q_t*", "ptr"),               # [batch][num_qo_heads][HEAD_DIM]
+    ("q", "const q_t*", "ptr"),               # [batch][query_tokens][num_qo_heads][HEAD_DIM]
     ("k", "const unsigned char*", "ptr"),     # [batch][max_len][num_kv_heads][ROW_BYTES] (or pages)
     ("v", "const unsigned char*", "ptr"),
     ("seq_lens", "const int*", "ptr"),        # [batch]
-    ("out", "out_t*", "ptr"),                 # [batch][num_qo_heads][HEAD_DIM]
-    ("lse", "float*", "ptr"),                 # [batch][num_qo_heads] natural log, or null
-    ("partial_o", "float*", "ptr"),           # split: [batch][slots][num_qo_heads][HEAD_DIM]
-    ("partial_lse", "float*", "ptr"),         # split: [batch][slots][num_qo_heads], base 2
-    ("counters", "int*", "ptr"),              # split, zeroed: [batch][num_kv_heads][ROW_COUNTERS]
+    ("out", "out_t*", "ptr"),                 # [batch][query_tokens][num_qo_heads][HEAD_DIM]
+    ("lse", "float*", "ptr"),                 # [batch][query_tokens][num_qo_heads] natural log, or null
+    ("partial_o", "float*", "ptr"),           # split: [batch][slots][CTA rows x ROWS][HEAD_DIM]
+    ("partial_lse", "float*", "ptr"),         # split: [batch][slots][CTA rows x ROWS], base 2
+    ("counters", "int*", "ptr"),              # split, zeroed: [batch][CTA rows][ROW_COUNTERS]
     ("k_scale", "const float*", "ptr"),       # quantized: [1] or [num_kv_heads]
     ("v_scale", "const float*", "ptr"),
     ("k_block_scales", "const unsigned char*", "ptr"),  # NVFP4: [batch][max_len][num_kv_heads][SCALE_ROW]
     ("v_block_scales", "const unsigned char*", "ptr"),
     ("block_table", "const int*", "ptr"),     # paged: [batch][table_stride] page indices
     ("units", "const int*", "ptr"),           # units: the work-unit tables
+    ("sinks", "const float*", "ptr"),         # sinks: [num_qo_heads] natural-log logits
     ("max_len", "int", "int"),
     ("num_kv_heads", "int", "int"),
     ("tokens_per_split", "int", "int"),
@@ -88,23 +89,32 @@ DECODE = StructLayout((
     ("v_per_head", "int", "int"),
     ("table_stride", "int", "int"),
     ("num_pages", "int", "int"),
+    ("window_left", "int", "int"),            # window: tokens before a query's own that it sees
+    ("soft_cap_log2", "float", "float"),      # soft_cap: the cap in base-2 units (cap x log2 e)
 ))
 
 #: The merge program's Params: the split plans' fields, then the units plans' (each program reads its own).
 MERGE = StructLayout((
-    ("partial_o", "const float*", "ptr"),     # split: [batch][num_splits][num_qo_heads][HEAD_DIM]; units: [slots][group][HEAD_DIM]
+    ("partial_o", "const float*", "ptr"),     # split: [batch][num_splits][rows][HEAD_DIM]; units: [slots][cta_rows][HEAD_DIM]
     ("partial_lse", "const float*", "ptr"),   # the same rows' log-sum-exps, base 2
-    ("out", "out_t*", "ptr"),                 # [batch][num_qo_heads][HEAD_DIM]
-    ("lse", "float*", "ptr"),                 # [batch][num_qo_heads] natural log, or null
+    ("out", "out_t*", "ptr"),                 # [batch][query_tokens][num_qo_heads][HEAD_DIM]
+    ("lse", "float*", "ptr"),                 # [batch][query_tokens][num_qo_heads] natural log, or null
     ("seq_lens", "const int*", "ptr"),        # split: [batch]
     ("units", "const int*", "ptr"),           # units: the plan's buffer (header, unit rows, merge rows)
+    ("sinks", "const float*", "ptr"),         # [num_qo_heads] natural-log logits, or null
     ("batch", "int", "int"),                  # split
-    ("num_qo_heads", "int", "int"),           # split
+    ("num_qo_heads", "int", "int"),
     ("num_splits", "int", "int"),             # split
     ("tokens_per_split", "int", "int"),       # split
     ("max_len", "int", "int"),                # split: the cache's tokens per sequence (lengths clamp to it)
-    ("group", "int", "int"),                  # units: query heads per K/V head
+    ("group", "int", "int"),                  # query heads per K/V head
     ("max_units", "int", "int"),              # units: the unit rows the buffer holds
+    ("query_tokens", "int", "int"),           # the decode program's rows (merge.cuh's OutRows)
+    ("row_blocks", "int", "int"),
+    ("cta_rows", "int", "int"),
+    ("rows_per_slot", "int", "int"),          # split: a slot's rows (K/V heads x row_blocks x cta_rows)
+    ("window_left", "int", "int"),            # split: -1, or the window (merge.cuh's window_begin)
+    ("window_align", "int", "int"),           # split: the decode program's tile
 ))
 
 #: The K/V quantizer's Params.

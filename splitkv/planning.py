@@ -81,14 +81,15 @@ class PlanChoice:
 
 def choose_plan(lengths, max_len: int, num_kv_heads: int, programs: Programs, gpu: GpuFacts, *,
                 may_grow: bool = False, variant: str | None = None, num_splits: int | None = None,
-                warp_heads: bool | None = None) -> PlanChoice:
+                warp_heads: bool | None = None, allow_units: bool = True) -> PlanChoice:
     """The plan of ``lengths`` (checked int64 lengths the plan covers, the longest ``max_len``)
     and its program.
 
     ``may_grow``: device lengths may grow up to ``max_len`` after the plan (a units plan cannot
     cover them, so none is made). ``variant`` (and ``num_splits`` for 'split') override the
     planner's choice; ``warp_heads`` True or False whether a dense plan's warps get a K/V head
-    each (None: `plan.wants_packed_heads`).
+    each (None: `plan.wants_packed_heads`). ``allow_units``: whether the units program may serve
+    these rows (not with a window or several row blocks per K/V head).
 
     The policy, for ``variant=None``: a tuned dense program that the table says these rows run
     makes the plan dense; else the wave model (`plan.plan_splits_unchecked`) and the short-row
@@ -110,8 +111,9 @@ def choose_plan(lengths, max_len: int, num_kv_heads: int, programs: Programs, gp
         # does: the routing judges the wave model's plan in those terms, and the short-row
         # rule's where it differs (fewer, longer splits may leave a long row to few CTAs among
         # short rows).
-        units = None if may_grow else units_pay(wave, lengths, max_len, num_kv_heads, programs, gpu)
-        if units is None and plan is not wave and plan != wave and not may_grow:  # `is`: the common case
+        routable = allow_units and not may_grow
+        units = units_pay(wave, lengths, max_len, num_kv_heads, programs, gpu) if routable else None
+        if units is None and plan is not wave and plan != wave and routable:  # `is`: the common case
             units = units_pay(plan, lengths, max_len, num_kv_heads, programs, gpu)
         if units is not None:
             return _units_choice(units, programs)

@@ -21,10 +21,10 @@ import threading
 
 import numpy as np
 
-from . import arrays, gpu, planning, streams, tensors
+from . import arrays, gpu, planning, streams, tensors, variants
 from .heuristics import (default_spec, few_splits_max_bytes, resident_ctas_per_sm, saturating_ctas,
                          takes_whole_row_clusters)
-from .launch import MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart, read_arrays
+from .launch import MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart, read_array, read_arrays
 from .plan import SplitPlan
 from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
@@ -172,18 +172,28 @@ class DecodeAttention:
         self._arguments: dict[int, Arguments] = {}  # thread id -> that thread's launch structs
         self._split: _SplitProgram | None = None  # what plans derive from the split program
         self._derived: dict[str, tuple] = {}  # what derives from a program, see _kept
+        self._variants: dict[str, tuple] = {}  # a program with a plan's attention variant, see _with_variant
         self._unit_merge_spec = dataclasses.replace(self.merge_spec, tables=True)  # units plans' merge program
         self._loaded: dict[int, tuple] = {}  # id(spec) -> (spec, function, compile result), see _load
         self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
         self._order = streams.StreamOrder()  # plan() and run() in call order across streams
         self._workspace = Workspace(self._order)
         self._producer_events: dict[int, object] = {}  # streams named by inputs' interfaces
+        self._sinks_checked = None  # the layout of the last sinks array run() checked
 
     # ---- planning (may sync, allocate, compile) ------------------------------------------------
     def plan(self, seq_lens, max_len: int | None = None, *, block_table=None, validate: bool = True,
              variant: str | None = None, num_splits: int | None = None, warp_heads: bool | None = None,
-             max_units: int | None = None, stream=None) -> SplitPlan | UnitPlan:
+             max_units: int | None = None, stream=None, query_tokens: int = 1, window_left: int = -1,
+             logits_soft_cap: float = 0.0, sinks: bool = False) -> SplitPlan | UnitPlan:
         """Choose dense or split for these lengths, compile what that needs, size the workspace.
+
+        The attention variant (`splitkv.variants` states each exactly): ``query_tokens`` T query
+        tokens per sequence (q ``[B, T, Hq, D]``, causal among them; ``seq_lens`` counts the T new
+        tokens), a sliding window of ``window_left`` tokens before each query's own (-1: none; only
+        the window's tokens are read, and the planner splits only them), a ``logits_soft_cap`` (0:
+        none), ``sinks`` (True: run() takes the sinks' float32 ``[Hq]`` array). Each is compiled into
+        the programs of this plan alone.
 
         ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
         given, bounds the lengths; for a device ``seq_lens`` the plan also covers it, so lengths
@@ -216,9 +226,13 @@ class DecodeAttention:
         another stream than the one before waits for it; the host never waits).
         """
         on_device = tensors.is_device_array(seq_lens)
+        if query_tokens == 1 and window_left == -1 and logits_soft_cap == 0.0 and sinks is False:
+            attention = variants.PLAIN
+        else:
+            attention = variants.check_variant(query_tokens, window_left, logits_soft_cap, sinks)
         with self._in_call_order(seq_lens if on_device else None, stream):
             return self._plan(seq_lens, on_device, max_len, variant, num_splits, warp_heads, block_table, validate,
-                              max_units)
+                              max_units, attention=attention)
 
     @contextlib.contextmanager
     def _in_call_order(self, like, stream):
@@ -232,18 +246,20 @@ class DecodeAttention:
                 yield ptr
                 self._order.leave(ptr, capturing)
 
-    def _plan_checked(self, lens: np.ndarray, *, block_table, validate: bool, stream: int) -> SplitPlan | UnitPlan:
+    def _plan_checked(self, lens: np.ndarray, *, block_table, validate: bool, stream: int,
+                      attention: variants.AttentionVariant = variants.PLAIN) -> SplitPlan | UnitPlan:
         """plan() of host lengths checked already (`tensors.check_seq_lens`: int32, 1-D): decode()'s,
         which checks them against its cache itself."""
         if lens.size == 0:
             raise ValueError(f"seq_lens: expected a non-empty 1-D sequence of lengths, got shape {lens.shape}")
         with self._in_call_order(None, stream):
-            return self._plan(lens, False, None, None, None, None, block_table, validate, None, checked=True)
+            return self._plan(lens, False, None, None, None, None, block_table, validate, None, checked=True,
+                              attention=attention)
 
     def _plan(self, seq_lens, on_device, max_len, variant, num_splits, warp_heads, block_table, validate, max_units,
-              checked: bool = False):
+              checked: bool = False, attention: variants.AttentionVariant = variants.PLAIN):
         """plan(); ``on_device``: whether ``seq_lens`` is a device array; ``checked``: whether they
-        are host lengths checked already."""
+        are host lengths checked already; ``attention``: the plan's attention variant."""
         if warp_heads is not None and not isinstance(warp_heads, bool):
             raise TypeError(f"warp_heads: expected None, True or False, got {warp_heads!r}")
         if not isinstance(validate, bool):
@@ -254,6 +270,12 @@ class DecodeAttention:
                                 "contiguous caches (build it with page_size=... for paged ones)"))
         lens = seq_lens if checked else tensors.plan_lengths(seq_lens, max_len, on_device, self.device)
         batch = lens.size
+        if attention.query_tokens > 1 and int(lens.min(initial=attention.query_tokens)) < attention.query_tokens:
+            i = int(np.argmax(lens < attention.query_tokens))
+            raise ValueError(f"seq_lens: every length counts the {attention.query_tokens} new query tokens, so is "
+                             f"at least {attention.query_tokens}; got seq_lens[{i}] = {int(lens[i])}")
+        if attention.query_tokens > 1 and warp_heads:
+            raise ValueError("warp_heads: a warp per K/V head serves one query token per sequence")
         host_lens = lens  # what the plan covers
         if on_device and max_len is not None and int(max_len) > int(lens.max()):
             # The caller may rewrite these lengths in place up to max_len before a (graph) replay:
@@ -266,58 +288,76 @@ class DecodeAttention:
         may_grow = host_lens is not lens
         if variant != "units" and max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")
+        # The programs with the plan's attention variant compiled in (the same objects for plain
+        # attention), and the rows the planner sees: a K/V head's row blocks each (several CTAs
+        # share a head whose query heads x tokens exceed one MMA tile), over the tokens the
+        # programs stream (with a window, the window's).
+        split_spec = self._with_variant("split", self.split_spec, attention)
+        dense_spec = self._with_variant("dense", self.dense_spec, attention)
+        row_heads = self.num_kv_heads * split_spec.row_blocks
+        units_allowed = attention.window_left < 0 and split_spec.row_blocks == 1
+        if variant == "units" and not units_allowed:
+            raise ValueError("variant: 'units' plans serve neither a window nor more than 16 rows (query heads x "
+                             f"query tokens) per K/V head; this plan has window_left={attention.window_left} and "
+                             f"{split_spec.rows} rows")
         # The planners' lengths, checked already: int64, which they take as they are (see
         # plan.plan_splits_unchecked), converted once here.
-        planned = host_lens.astype(np.int64)
+        planned = attention.planned_lengths(host_lens.astype(np.int64), split_spec.tile_tokens)
+        streamed = int(planned.max(initial=0))
         if variant == "units":  # the units program's slots; the split program is not loaded for it
             planning.check_units_request(max_planned, may_grow=may_grow, num_splits=num_splits, warp_heads=warp_heads)
-            units_spec = self._units_spec()
+            units_spec = self._with_variant("units", self._units_spec(), attention)
             _, compiled = self._load(units_spec)
             gpu = planning.GpuFacts(self.num_sms, resident_ctas_per_sm(units_spec, compiled.registers))
             in_clusters = None
         else:
-            program = self._split_program()
+            program = self._split_program(split_spec)
             gpu = planning.GpuFacts(self.num_sms, program.ctas_per_sm, program.saturating,
                                     program.few_splits_max_bytes, self._max_active_clusters)
             in_clusters = program.in_clusters
-        programs = planning.Programs(self.split_spec, self.dense_spec, self.tuned_entry, tuned_forces_dense,
-                                     self.unit_costs, self._packed_dense_spec, self._units_spec, in_clusters,
+        programs = planning.Programs(split_spec, dense_spec, self.tuned_entry, tuned_forces_dense,
+                                     self.unit_costs, lambda: self._with_variant("packed", self._packed_dense_spec(), attention),
+                                     lambda: self._with_variant("units", self._units_spec(), attention), in_clusters,
                                      self._whole_row_clusters)
-        choice = planning.choose_plan(planned, max_planned, self.num_kv_heads, programs, gpu, may_grow=may_grow,
-                                      variant=variant, num_splits=num_splits, warp_heads=warp_heads)
+        choice = planning.choose_plan(planned, streamed, row_heads, programs, gpu, may_grow=may_grow,
+                                      variant=variant, num_splits=num_splits,
+                                      warp_heads=False if attention.query_tokens > 1 else warp_heads,
+                                      allow_units=units_allowed)
         plan, spec = choice.plan, choice.spec
         if isinstance(plan, UnitPlan):
-            return self._plan_units(seq_lens, on_device, lens, host_lens, block_table, validate, max_units, plan)
+            return self._plan_units(seq_lens, on_device, lens, host_lens, block_table, validate, max_units, plan,
+                                    spec, attention)
         # Everything that may raise comes before the first write to a buffer the live plan uses.
         checked_table = check_table(block_table, lens, host_lens, validate, self.page_size, self.device) if self.page_size else None
         decode_fn, _ = self._load(spec)
         merge_fn = self._load(self.merge_spec)[0] if choice.merge else None
-        grid = (plan.num_splits, self.num_kv_heads // plan.heads_per_cta, batch)
+        grid = (plan.num_splits, row_heads // plan.heads_per_cta, batch)
         if max(grid[1], grid[2]) > _MAX_GRID_YZ:
             raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "
                              f"launch grid ({_MAX_GRID_YZ} sequences and K/V heads at most); split the batch")
         partial_o = partial_lse = counters = None
         if plan.variant == "split":
-            rows = batch * plan.num_splits * self.num_qo_heads
+            rows = batch * plan.num_splits * row_heads * spec.cta_rows
             partial_o = self._workspace.buffer("partial_o", rows * self.head_dim, np.float32)
             partial_lse = self._workspace.buffer("partial_lse", rows, np.float32)
-            # Merge counters [batch][num_kv_heads][cluster] (with several clusters per row, each
-            # cluster rank merges its slice of the row).
+            # Merge counters [batch][K/V heads x row blocks][cluster] (with several clusters per
+            # row, each cluster rank merges its slice of the row).
             if spec.fused_merge:
-                counters = self._workspace.buffer("counters", batch * self.num_kv_heads * spec.cluster, np.int32, zero=True)
+                counters = self._workspace.buffer("counters", batch * row_heads * spec.cluster, np.int32, zero=True)
         table = self._workspace.block_table(checked_table) if self.page_size else None
         device_lens = self._workspace.lengths(seq_lens, on_device, lens)
         workspace = (partial_o, partial_lse, counters)
         self._launch = Launch(plan, spec, self._heads, decode_fn, merge_fn, batch, max_planned, grid, device_lens,
-                              workspace, self._workspace.empty_kv_ptr(spec, self.num_kv_heads, max_planned), table)
+                              workspace, self._workspace.empty_kv_ptr(spec, self.num_kv_heads, max_planned), table,
+                              attention=attention)
         return plan
 
-    def _split_program(self) -> _SplitProgram:
-        """The split program's resident CTAs per SM, saturating CTAs and derived programs
-        (`_SplitProgram`), kept while the split program stays."""
+    def _split_program(self, spec: KernelSpec | None = None) -> _SplitProgram:
+        """The split program's (``spec``, default the instance's) resident CTAs per SM, saturating
+        CTAs and derived programs (`_SplitProgram`), kept while that program stays."""
+        spec = self.split_spec if spec is None else spec
         held = self._split
-        if held is None or not _same_spec(held.spec, self.split_spec):
-            spec = self.split_spec
+        if held is None or not _same_spec(held.spec, spec):
             _, compiled = self._load(spec)
             held = self._split = _SplitProgram(spec, resident_ctas_per_sm(spec, compiled.registers),
                                                saturating_ctas(spec), few_splits_max_bytes(spec))
@@ -330,6 +370,16 @@ class DecodeAttention:
         if held is None or not _same_spec(held[0], source):
             held = self._derived[name] = (source, derive(source))
         return held[1]
+
+    def _with_variant(self, name: str, source: KernelSpec, attention: variants.AttentionVariant) -> KernelSpec:
+        """``source`` with ``attention``'s variant compiled in (``source`` itself for plain
+        attention), kept under ``name`` while the source and the variant stay."""
+        if attention.is_plain:
+            return source
+        held = self._variants.get(name)
+        if held is None or held[1] != attention.compiled or not _same_spec(held[0], source):
+            held = self._variants[name] = (source, attention.compiled, attention.of(source))
+        return held[2]
 
     def _packed_dense_spec(self) -> KernelSpec:
         """The dense program with a warp per K/V head."""
@@ -368,9 +418,9 @@ class DecodeAttention:
         return forced
 
     def _plan_units(self, seq_lens, on_device, lens, host_lens, block_table, validate, max_units,
-                    plan: UnitPlan) -> UnitPlan:
-        """A units plan's launch: ``plan``'s tables for ``host_lens`` (`planning.choose_plan`)."""
-        spec = self._units_spec()
+                    plan: UnitPlan, spec: KernelSpec, attention: variants.AttentionVariant) -> UnitPlan:
+        """A units plan's launch: ``plan``'s tables for ``host_lens`` (`planning.choose_plan`), run by
+        the units program ``spec``."""
         decode_fn, _ = self._load(spec)
         rows = lens.size * self.num_kv_heads
         static = max_units is not None
@@ -387,7 +437,7 @@ class DecodeAttention:
             merge_spec = self._unit_merge_spec
             merge_fn, _ = self._load(merge_spec)
             warps = merge_spec.threads // 32
-            merge_blocks = -(-max_merges * self.group_size // warps)
+            merge_blocks = -(-max_merges * spec.cta_rows // warps)
         # Everything that may raise comes before the first write to a buffer the live plan uses
         # (with max_units, a captured graph replays the tables written here).
         checked_table = check_table(block_table, lens, host_lens, validate, self.page_size, self.device) if self.page_size else None
@@ -396,21 +446,22 @@ class DecodeAttention:
         tables.set(plan.to_buffer(max_units, max_merges))
         # Every unit writes at most one partial: a static plan holds room for as many as it has units.
         slots_held = max_units if static else plan.num_partials
-        width = self.group_size * self.head_dim
+        width = spec.cta_rows * self.head_dim  # a unit's rows: its K/V head's query heads x query tokens
         partial_o = self._workspace.buffer("partial_o", max(slots_held, 1) * width, np.float32)
-        partial_lse = self._workspace.buffer("partial_lse", max(slots_held, 1) * self.group_size, np.float32)
+        partial_lse = self._workspace.buffer("partial_lse", max(slots_held, 1) * spec.cta_rows, np.float32)
         table = self._workspace.block_table(checked_table) if self.page_size else None
         device_lens = self._workspace.lengths(seq_lens, on_device, lens)
         workspace = (partial_o, partial_lse, None)
         units = UnitTables(tables, tables.data.ptr, max_units, merge_blocks)
         max_planned = int(host_lens.max(initial=0))
         self._launch = Launch(plan, spec, self._heads, decode_fn, merge_fn, lens.size, max_planned, (max_units, 1, 1),
-                              device_lens, workspace, self._workspace.empty_kv_ptr(spec, self.num_kv_heads, max_planned), table, units)
+                              device_lens, workspace, self._workspace.empty_kv_ptr(spec, self.num_kv_heads, max_planned), table, units,
+                              attention=attention)
         return plan
 
     def _max_active_clusters(self, cluster: int) -> int | None:
         """Clusters of ``cluster`` split CTAs resident at once on this GPU (None: unknown)."""
-        program = self._split_program()
+        program = self._split or self._split_program()  # the plan's, made before the planner asks
         if cluster not in program.cluster_fit:
             from .codegen.occupancy import max_active_clusters
 
@@ -457,8 +508,12 @@ class DecodeAttention:
                 f"on {self.num_sms} SMs; {self._launch.spec.name}")
 
     # ---- running (no sync, no allocation when out/lse are given, no compile) -------------------
-    def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False, stream=None):
+    def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False, sinks=None, stream=None):
         """Attention of ``q`` over the planned lengths of ``k`` / ``v``; returns out (and lse).
+
+        ``q``: ``[B, Hq, D]``, or ``[B, T, Hq, D]`` for a plan of T query tokens (out has q's shape,
+        lse q's without its last axis). ``sinks``: a plan made with ``sinks=True`` takes the float32
+        ``[Hq]`` device array of this layer's sink logits (read at every run, like the caches).
 
         ``k`` and ``v``: arrays of the instance's kv_dtype, or for a quantized kv_dtype ('fp8_e4m3',
         'nvfp4') `splitkv.QuantizedKV` caches (from `splitkv.quantize_kv`), whose scales are read on
@@ -475,21 +530,21 @@ class DecodeAttention:
         if return_lse.__class__ is not bool:  # one comparison on the hot path; the rest checks
             return_lse = tensors.check_flag(return_lse, "return_lse")
         if out is None or (return_lse and lse is None) or self._cuda.getDevice() != self.device:
-            return self._run_allocating(launch, q, k, v, out, lse, return_lse, stream)
+            return self._run_allocating(launch, q, k, v, out, lse, return_lse, stream, sinks)
         self._enqueue(launch, q, k, v, out, lse, arrays.launch_stream(q, stream, self.device),
-                      read_arrays(q, k, v, out, lse))
+                      read_arrays(q, k, v, out, lse), sinks)
         return (out, lse) if return_lse else out
 
-    def _run_read(self, q, k, v, out, stream: int, read: tuple):
+    def _run_read(self, q, k, v, out, stream: int, read: tuple, sinks=None):
         """run() of ``out`` (no lse) on stream handle ``stream``, the arrays read already
         (`read_arrays` of q, k, v, out and None): decode()'s, which read them to describe them."""
         launch = self._launch
         if launch is None or self._cuda.getDevice() != self.device:
-            return self.run(q, k, v, out=out, stream=stream)
-        self._enqueue(launch, q, k, v, out, None, stream, read)
+            return self.run(q, k, v, out=out, sinks=sinks, stream=stream)
+        self._enqueue(launch, q, k, v, out, None, stream, read, sinks)
         return out
 
-    def _run_allocating(self, launch: Launch, q, k, v, out, lse, return_lse: bool, stream):
+    def _run_allocating(self, launch: Launch, q, k, v, out, lse, return_lse: bool, stream, sinks=None):
         """run() with this instance's device made current, and the missing outputs allocated."""
         with streams.on_device(self.device):
             ptr = arrays.launch_stream(q, stream, self.device)
@@ -500,13 +555,14 @@ class DecodeAttention:
                         out = arrays.new_output(q, stream=ptr)
                     if return_lse and lse is None:
                         lse = arrays.new_output(q, lse=True, stream=ptr)
-            self._enqueue(launch, q, k, v, out, lse, ptr, read_arrays(q, k, v, out, lse))
+            self._enqueue(launch, q, k, v, out, lse, ptr, read_arrays(q, k, v, out, lse), sinks)
         return (out, lse) if return_lse else out
 
-    def _enqueue(self, launch: Launch, q, k, v, out, lse, stream: int, read: tuple) -> None:
+    def _enqueue(self, launch: Launch, q, k, v, out, lse, stream: int, read: tuple, sinks=None) -> None:
         """Checks the arrays (in full for a layout not seen before; ``read``: their `read_arrays`)
         and enqueues the plan's programs on ``stream``, ordered after the previous plan or run."""
         layout, pointers, quantized, k_shape = read
+        sinks_ptr = 0 if sinks is None and not launch.attention.sinks else self._sinks_pointer(launch, sinks)
         seen, shapes, extents, checked = self._validated
         if layout is None or layout != seen:
             # Arrays known only by their interface are validated on every call, and their
@@ -525,8 +581,22 @@ class DecodeAttention:
         if args is None:
             args = self._arguments[threading.get_ident()] = Arguments()
         capturing = self._order.enter(stream)
-        launch.enqueue(args, stream, pointers, quantized, k_shape, self._tensor_maps)
+        launch.enqueue(args, stream, pointers, quantized, k_shape, self._tensor_maps, sinks_ptr)
         self._order.leave(stream, capturing)
+
+    def _sinks_pointer(self, launch: Launch, sinks) -> int:
+        """The device address of run()'s ``sinks``, checked in full once per layout (a float32
+        ``[Hq]`` array on this device; arrays known only by an interface on every call)."""
+        if sinks is None:
+            raise ValueError(f"sinks: this plan was made with sinks=True; run() needs the float32 "
+                             f"[{self.num_qo_heads}] array of sink logits")
+        if not launch.attention.sinks:
+            raise ValueError("sinks: this plan was made without sinks; plan(..., sinks=True) compiles them in")
+        entry, ptr = read_array(sinks, "sinks")
+        if entry is None or entry != self._sinks_checked:
+            tensors.check_sinks(tensors.describe(sinks, "sinks"), self.num_qo_heads, self.device)
+            self._sinks_checked = entry
+        return ptr
 
 
 # ---- helpers -----------------------------------------------------------------------------------

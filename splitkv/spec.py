@@ -88,6 +88,12 @@ def hardware_e2m1(arch: str) -> bool:
     arch-specific targets from sm_100a on); elsewhere the NVFP4 programs decode it with integer ops."""
     arch = parse_arch(arch)
     return arch.endswith("a") and arch_number(arch) >= 100
+#: Query tokens per sequence a program serves (several: speculative decoding's draft tokens, causal
+#: among themselves), 1..MAX_QUERY_TOKENS.
+MAX_QUERY_TOKENS = 16
+#: MMA rows one CTA carries at most: a K/V head's query heads x query tokens past it are spread over
+#: CTAs of one K/V head each ("row blocks"), which read the same K/V bytes.
+MAX_CTA_ROWS = 16
 #: What fills the 16 rows (M) of the m16n8k16 MMAs. heads: the query heads of the group (rows past
 #: the group are idle, so G = 4 uses a quarter of each MMA). tokens: 16 tokens per MMA, the query
 #: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.
@@ -190,11 +196,18 @@ class KernelSpec:
     warp_heads: bool = False
     page_size: int = 0
     kv_layout: str = "NHD"
+    # The attention variants (compiled in only where used, so plain attention pays nothing for
+    # them): query tokens per sequence, a sliding window, a logits soft-cap, attention sinks. Their
+    # values (window_left, the cap, the sinks' array) are run-time fields of the kernel's argument.
+    query_tokens: int = 1
+    window: bool = False
+    soft_cap: bool = False
+    sinks: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "arch", parse_arch(self.arch))
         _normalise_ints(self, ("head_dim", "group_size", "chunk_size", "warps", "tile_tokens", "stages", "cluster",
-                               "page_size"))
+                               "page_size", "query_tokens"))
         _check_choice("head_dim", self.head_dim, HEAD_DIMS)
         if not 1 <= self.group_size <= MAX_GROUP:
             raise ValueError(f"group_size: expected an int in 1..{MAX_GROUP}, got {self.group_size!r}")
@@ -233,14 +246,22 @@ class KernelSpec:
             raise ValueError(f"kv_copy: 'tma' copies K/V rows in boxes of {TMA_BOX_BYTES} bytes (NVFP4: also "
                              f"rows of 32 or 64 bytes, one box each); head_dim {self.head_dim} of {self.kv_dtype} "
                              f"fits neither")
+        if not 1 <= self.query_tokens <= MAX_QUERY_TOKENS:
+            raise ValueError(f"query_tokens: expected an int in 1..{MAX_QUERY_TOKENS}, got {self.query_tokens!r}")
         _check_choice("mma_m", self.mma_m, MMA_M)
-        if self.mma_m == "tokens" and self.group_size > 8:
-            raise ValueError(f"mma_m: 'tokens' puts the query heads on the MMA's 8 columns; "
-                             f"group_size {self.group_size} needs 'heads'")
-        for switch in ("fused_merge", "warp_heads"):
+        if self.mma_m == "tokens" and self.rows > 8:
+            raise ValueError(f"mma_m: 'tokens' puts the query heads x query tokens on the MMA's 8 columns; "
+                             f"group_size {self.group_size} x query_tokens {self.query_tokens} needs 'heads'")
+        for switch in ("fused_merge", "warp_heads", "window", "soft_cap", "sinks"):
             _check_bool(switch, getattr(self, switch))
         if self.warp_heads and self.variant != "dense":
             raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; use variant='dense'")
+        if self.warp_heads and self.query_tokens > 1:
+            raise ValueError("warp_heads: a warp per K/V head serves one query token per sequence")
+        if self.variant == "units" and self.row_blocks > 1:
+            raise ValueError(f"variant: the units program serves at most {MAX_CTA_ROWS} rows (query heads x query "
+                             f"tokens) per K/V head; group_size {self.group_size} x query_tokens {self.query_tokens} "
+                             "needs the split or dense program")
         self._check_paging()
         limit = ARCHS[arch_number(self.arch)].smem_per_cta
         if self.smem_bytes + self.static_smem_bytes > limit:
@@ -278,9 +299,40 @@ class KernelSpec:
         return 32 * self.warps
 
     @property
+    def rows(self) -> int:
+        """A K/V head's rows: its query heads x query tokens (row t x group_size + h: token t, head h)."""
+        return self.group_size * self.query_tokens
+
+    @property
+    def row_blocks(self) -> int:
+        """CTAs per (sequence, K/V head, split) that share its rows: one where they fit one MMA tile's
+        16 rows, else as many as it takes (each reads the same K/V bytes, mostly from L2)."""
+        return -(-self.rows // MAX_CTA_ROWS)
+
+    @property
+    def cta_rows(self) -> int:
+        """Rows one CTA serves: the K/V head's rows over its row blocks, evenly (the last block's rows
+        past the head's are padding, computed and never written)."""
+        return -(-self.rows // self.row_blocks)
+
+    @property
     def mma_rows(self) -> int:
-        """Query-head rows of the m16n8k16 tile that carry data: 8 for groups up to 8, else 16."""
-        return 8 if self.group_size <= 8 else 16
+        """Rows of the m16n8k16 tile that carry data: 8 for up to 8 rows per CTA, else 16."""
+        return 8 if self.cta_rows <= 8 else 16
+
+    @property
+    def has_variant(self) -> bool:
+        """Whether any attention variant is compiled in (see `with_variant`)."""
+        return self.query_tokens > 1 or self.window or self.soft_cap or self.sinks
+
+    def with_variant(self, query_tokens: int = 1, window: bool = False, soft_cap: bool = False,
+                     sinks: bool = False) -> "KernelSpec":
+        """This program with the attention variants given: its CTA shape kept, the MMA rows turned to
+        the query heads where tokens x heads no longer fit the 8 columns of ``mma_m='tokens'``."""
+        mma_m = self.mma_m
+        if mma_m == "tokens" and self.group_size * query_tokens > 8:
+            mma_m = "heads"
+        return self.replace(query_tokens=query_tokens, window=window, soft_cap=soft_cap, sinks=sinks, mma_m=mma_m)
 
     @property
     def kv_bits(self) -> int:
@@ -324,7 +376,7 @@ class KernelSpec:
     @property
     def cluster_slice(self) -> int:
         """Output elements (of group_size x head_dim) each CTA of a cluster merges: a multiple of 4."""
-        return -(-self.group_size * self.head_dim // (4 * self.cluster)) * 4
+        return -(-self.cta_rows * self.head_dim // (4 * self.cluster)) * 4
 
     @property
     def smem_pad(self) -> int:
@@ -353,7 +405,7 @@ class KernelSpec:
     def combine_bytes(self) -> int:
         """The warps' states as the final combine lays them out (fp32): per warp a max and a sum per
         row and its G x D accumulator, then the CTA's sum and log-sum-exp per row."""
-        return (self.warps * (self.group_size * self.head_dim + 2 * 16) + 2 * 16) * 4
+        return (self.warps * (self.cta_rows * self.head_dim + 2 * 16) + 3 * 16) * 4
 
     @property
     def static_smem_bytes(self) -> int:
@@ -374,7 +426,8 @@ class KernelSpec:
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-tma' appended when
         K/V arrive through tensor maps, '-mt' when tokens fill the MMA rows, '-wh' when each warp serves
-        its own K/V head, '-p16' for pages of 16 tokens, '-p16hnd' in the HND layout)."""
+        its own K/V head, '-p16' for pages of 16 tokens, '-p16hnd' in the HND layout; the variants:
+        '-q4' for 4 query tokens, '-win' a sliding window, '-cap' a soft-cap, '-sink' attention sinks)."""
         merge = ""
         if self.variant == "split":
             merge = (f"-k{self.cluster}" if self.cluster > 1 else "") + ("-fm" if self.fused_merge else "")
@@ -383,7 +436,9 @@ class KernelSpec:
                 + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}")
                 + ("-mt" if self.mma_m == "tokens" else "")
                 + ("-wh" if self.warp_heads else "")
-                + (f"-p{self.page_size}" + ("hnd" if self.kv_layout == "HND" else "") if self.paged else ""))
+                + (f"-p{self.page_size}" + ("hnd" if self.kv_layout == "HND" else "") if self.paged else "")
+                + (f"-q{self.query_tokens}" if self.query_tokens > 1 else "")
+                + ("-win" if self.window else "") + ("-cap" if self.soft_cap else "") + ("-sink" if self.sinks else ""))
 
     def replace(self, **changes) -> "KernelSpec":
         return dataclasses.replace(self, **changes)
@@ -397,7 +452,13 @@ class KernelSpec:
         return self.replace(variant="units", cluster=1, warp_heads=False, fused_merge=False)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, but the attention variants' at their defaults (plain attention), so that what
+        tables and results files hold of plain programs stays as it was."""
+        data = dataclasses.asdict(self)
+        for name, plain in _PLAIN_VARIANT.items():
+            if data[name] == plain:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelSpec":
@@ -406,6 +467,10 @@ class KernelSpec:
         if unknown:
             raise ValueError(f"KernelSpec: unknown fields {sorted(unknown)}")
         return cls(**data)
+
+
+#: The attention variants' fields of plain attention.
+_PLAIN_VARIANT = dict(query_tokens=1, window=False, soft_cap=False, sinks=False)
 
 
 @dataclass(frozen=True)

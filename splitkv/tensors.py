@@ -35,6 +35,7 @@ class DecodeShapes:
     kv_dtype: str
     num_pages: int = 0  # paged caches: pages of page_size tokens (max_len is then 0: the table says)
     page_size: int = 0
+    query_tokens: int = 1  # q [B, T, Hq, D]: T query tokens per sequence (q [B, Hq, D]: 1)
 
 
 #: The dimensions of a paged cache per layout, for messages.
@@ -119,7 +120,9 @@ def describe_scale(x: Any, name: str, num_kv_heads: int) -> TensorInfo:
 def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
                         out: TensorInfo | None = None, lse: TensorInfo | None = None,
                         kv_layout: str | None = None) -> DecodeShapes:
-    """Validate contiguous q [B, Hq, D], k and v [B, L_max, Hkv, D], out [B, Hq, D], lse [B, Hq].
+    """Validate contiguous q [B, Hq, D] or [B, T, Hq, D] (T query tokens per sequence, up to
+    `spec.MAX_QUERY_TOKENS`), k and v [B, L_max, Hkv, D], out of q's shape, lse of q's shape
+    without its last axis.
     With ``kv_layout`` ('NHD' or 'HND'), k and v are paged caches of that layout (see
     `splitkv.paged`), of any number of pages.
 
@@ -130,11 +133,18 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
         if info is not None and not isinstance(info, TensorInfo):
             raise TypeError(f"{name}: expected a TensorInfo (from describe), got {type(info).__name__}")
 
-    _check_rank(q, "q", 3, "[batch, num_qo_heads, head_dim]")
+    if q.ndim != 4:
+        _check_rank(q, "q", 3, "[batch, num_qo_heads, head_dim] (or [batch, query_tokens, num_qo_heads, head_dim])")
     _check_rank(k, "k", 4, PAGED_SHAPES[kv_layout] if kv_layout else "[batch, max_len, num_kv_heads, head_dim]")
     _check_dtype(q, "q", spec.Q_DTYPES)
     _check_dtype(k, "k", spec.KV_DTYPES)
-    batch, num_qo_heads, head_dim = q.shape
+    if q.ndim == 4:
+        batch, query_tokens, num_qo_heads, head_dim = q.shape
+        if not 1 <= query_tokens <= spec.MAX_QUERY_TOKENS:
+            raise ValueError(f"q: expected 1 to {spec.MAX_QUERY_TOKENS} query tokens per sequence (q.shape[1]), "
+                             f"got shape {q.shape}")
+    else:
+        (batch, num_qo_heads, head_dim), query_tokens = q.shape, 1
     num_pages = page_size = 0
     if kv_layout:
         from .paged import cache_geometry
@@ -147,7 +157,7 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
     _check_head_dim(head_dim)
     if not kv_layout:
         _check_dim(k, "k", 0, batch, "batch", "q.shape[0]")
-    _check_dim(k, "k", 3, head_dim, "head_dim", "q.shape[2]")
+    _check_dim(k, "k", 3, head_dim, "head_dim", f"q.shape[{q.ndim - 1}]")
     group_size = _group_size(num_qo_heads, num_kv_heads)
     _check_v(v, k)
 
@@ -160,7 +170,8 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
         _check_lse(lse, q)
     return DecodeShapes(batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, max_len=max_len, group_size=group_size,
-                        q_dtype=q.dtype, kv_dtype=k.dtype, num_pages=num_pages, page_size=page_size)
+                        q_dtype=q.dtype, kv_dtype=k.dtype, num_pages=num_pages, page_size=page_size,
+                        query_tokens=query_tokens)
 
 
 def _check_rank(info: TensorInfo, name: str, rank: int, layout: str) -> None:
@@ -178,7 +189,7 @@ def _check_dtype(info: TensorInfo, name: str, allowed) -> None:
 
 def _check_head_dim(head_dim: int) -> None:
     if head_dim not in spec.HEAD_DIMS:
-        raise ValueError(f"q: head_dim {head_dim} (q.shape[2]) is not supported; expected one of "
+        raise ValueError(f"q: head_dim {head_dim} (q.shape[-1]) is not supported; expected one of "
                          f"{list(spec.HEAD_DIMS)}")
 
 
@@ -227,9 +238,10 @@ def _check_out(out: TensorInfo, q: TensorInfo) -> None:
 
 def _check_lse(lse: TensorInfo, q: TensorInfo) -> None:
     _check_writable(lse, "lse")
-    expected = q.shape[:2]
+    expected = q.shape[:-1]
     if lse.shape != expected:
-        raise ValueError(f"lse: expected shape {expected} [batch, num_qo_heads], got {lse.shape}")
+        layout = "[batch, query_tokens, num_qo_heads]" if q.ndim == 4 else "[batch, num_qo_heads]"
+        raise ValueError(f"lse: expected shape {expected} {layout}, got {lse.shape}")
     if lse.dtype != "fp32":
         raise TypeError(f"lse: expected dtype fp32, got {lse.dtype}")
     if not lse.is_contiguous:
@@ -246,6 +258,15 @@ def _check_same_device(info: TensorInfo, name: str, q: TensorInfo) -> None:
     if info.device != q.device:
         raise ValueError(f"{name}: expected CUDA device {q.device} (the device of q), "
                          f"got device {info.device}")
+
+
+def check_sinks(info: TensorInfo, num_qo_heads: int, device: int | None) -> None:
+    """Attention sinks: a contiguous, aligned float32 ``[num_qo_heads]`` device array on ``device``."""
+    if info.dtype != "fp32" or info.shape != (num_qo_heads,) or not info.is_contiguous:
+        raise ValueError(f"sinks: expected a contiguous float32 [{num_qo_heads}] array (a logit per query head), "
+                         f"got {info.dtype} {info.shape}")
+    check_aligned(info, "sinks", 4, "its 4-byte elements")
+    check_device("sinks", info, device, "this DecodeAttention runs on")
 
 
 # ---- sequence lengths -------------------------------------------------------------------------

@@ -332,7 +332,8 @@ def swap(index, **changes):
 BAD_QKV = [
     # (q, k, v), exception, argument, fragment of the message
     (swap(0, shape=(B, HQ), strides=(HQ, 1)), ValueError, "q", "3 dimensions"),
-    (swap(0, shape=(B, 1, HQ, D), strides=(HQ * D, HQ * D, D, 1)), ValueError, "q", "3 dimensions"),
+    (swap(0, shape=(B, 1, 1, HQ, D), strides=(HQ * D, HQ * D, HQ * D, D, 1)), ValueError, "q", "3 dimensions"),
+    (swap(0, shape=(B, 17, HQ, D), strides=(17 * HQ * D, HQ * D, D, 1)), ValueError, "q", "1 to 16 query tokens"),
     (swap(1, shape=(B, L, D), strides=(L * D, D, 1)), ValueError, "k", "4 dimensions"),
     (swap(0, dtype="fp32"), TypeError, "q", "got fp32"),
     (swap(0, dtype="uint16"), TypeError, "q", "bf16_from_uint16"),

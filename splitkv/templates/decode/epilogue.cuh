@@ -13,12 +13,41 @@ struct ResultTarget {
     float* partial_o;
     float* partial_lse;
     int* counters;
+    const float* sinks;  // SINKS: [num_qo_heads]
     int num_kv_heads, num_qo_heads, num_splits;
     int batch_idx, kv_head;  // (the warp and lane: see lane_id)
+    int row_y;  // the CTA's row of the grid: K/V head x ROW_BLOCKS + row block
     // The CTA's tokens end past token 0. A CTA that writes a final result starts at token 0 (a
     // dense row, split 0, a whole-row unit), so this says whether its sequence has tokens.
     bool row_has_tokens;
+
+    // Rows of a workspace slot (merge.cuh): every CTA row's ROWS rows.
+    __device__ __forceinline__ int rows_per_slot() const { return num_kv_heads * ROW_BLOCKS * ROWS; }
+    __device__ __forceinline__ splitkv::OutRows out_rows() const {
+        return splitkv::OutRows{num_qo_heads, GROUP, QUERY_TOKENS, ROW_BLOCKS, ROWS};
+    }
+    // The output row of the CTA's row r (-1: a padding row); query head kv_head x GROUP + r with one
+    // query token.
+    __device__ __forceinline__ long long out_row(int r) const {
+        if constexpr (QUERY_TOKENS == 1 && ROW_BLOCKS == 1) return (long long)batch_idx * num_qo_heads + kv_head * GROUP + r;
+        else return out_rows().of(batch_idx, row_y, r);
+    }
+    // The sink of the CTA's row r (base 2), -inf without sinks.
+    __device__ __forceinline__ float sink2(int r) const {
+        if constexpr (SINKS) return splitkv::sink_log2(sinks, out_rows().head(row_y, r));
+        else return -INFINITY;
+    }
 };
+
+// A merged row's place (merge.cuh's merge_row_span), asked for once its partials are summed.
+struct MergedRow {
+    const ResultTarget& at;
+    int row;
+    __device__ __forceinline__ long long out_row() const { return at.out_row(row); }
+    __device__ __forceinline__ float sink2() const { return at.sink2(row); }
+};
+
+static_assert(!WARP_HEADS || QUERY_TOKENS == 1, "warp_heads: one query token per sequence");
 
 // What a result whose softmax sum is 0 holds, when it is final (partials with a sum of 0 are empty:
 // zeros that weigh nothing). A sequence of length 0 gives zeros and lse -inf; one with tokens sums
@@ -38,16 +67,16 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
     float* const partial_o = at.partial_o;
     float* const partial_lse = at.partial_lse;
     int* const counters = at.counters;
-    const int num_kv_heads = at.num_kv_heads, num_qo_heads = at.num_qo_heads, num_splits = at.num_splits;
-    const int warp = warp_id(), lane = lane_id(), batch_idx = at.batch_idx, kv_head = at.kv_head;
-    // Per row of `states` (threads < GROUP): the CTA's max m, each warp's weight 2^(m_w - m), the
-    // CTA's sum and log-sum-exp.
+    const int num_splits = at.num_splits, rows_per_slot = at.rows_per_slot();
+    const int warp = warp_id(), lane = lane_id(), batch_idx = at.batch_idx, row_y = at.row_y;
+    // Per row of `states` (threads < ROWS): the CTA's max m, each warp's weight 2^(m_w - m), the
+    // CTA's sum, log-sum-exp and final denominator (with the row's sink).
     auto combine_warps = [&](WarpStates states) {
         float* warp_m = states.m();
         float* warp_l = states.l();
         float* row_l = states.row_l();
         float* row_lse2 = states.row_lse2();
-        if (threadIdx.x < GROUP) {
+        if (threadIdx.x < ROWS) {
             const int row = threadIdx.x;
             float m = -INFINITY;
             for (int w = 0; w < WARPS; ++w) m = fmaxf(m, warp_m[w * 16 + row]);
@@ -59,50 +88,55 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
             }
             row_l[row] = l;
             row_lse2[row] = l != 0.f ? m + __log2f(l) : -INFINITY;
+            // The sink joins the final denominator only (a sum of 0 stays 0: see final_empty).
+            if constexpr (SINKS) states.row_den()[row] = l != 0.f ? l + splitkv::sink_weight(at.sink2(row), m) : 0.f;
         }
     };
-    // The CTA's normalised result for output element idx (row idx / HEAD_DIM), from the combined
-    // states; `empty` where the row's sum is 0.
-    auto cta_value_of = [&](WarpStates states, int idx, float empty) {
+    // The CTA's result for output element idx (row idx / HEAD_DIM) from the combined states,
+    // divided by the row's sum (a partial's) or, `final`, by its final denominator; `empty` where
+    // that is 0.
+    auto cta_value_of = [&](WarpStates states, int idx, float empty, bool final) {
         const float* weight = states.m();
-        const float* row_l = states.row_l();
         const float* warp_o = states.o();
         const int row = idx / HEAD_DIM;
         float acc = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) acc += weight[w * 16 + row] * warp_o[(size_t)w * GROUP * HEAD_DIM + idx];
-        const float l = row_l[row];
+        for (int w = 0; w < WARPS; ++w) acc += weight[w * 16 + row] * warp_o[(size_t)w * ROWS * HEAD_DIM + idx];
+        const float l = (SINKS && final ? states.row_den() : states.row_l())[row];
         return l != 0.f ? __fdividef(acc, l) : empty;  // branch-free: see the warp_heads epilogue
     };
-    // The CTA's fp32 partial of row (b, h) from the combined `states`, into slot `slot`.
-    auto write_partial = [&](int b, int h, int slot, WarpStates states) {
-        const size_t slot_row0 = ((size_t)b * num_splits + slot) * num_qo_heads + (size_t)h * GROUP;
-        for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
-            partial_o[slot_row0 * HEAD_DIM + idx] = cta_value_of(states, idx, 0.f);
-        if (threadIdx.x < GROUP) partial_lse[slot_row0 + threadIdx.x] = states.row_lse2()[threadIdx.x];
+    // The CTA's fp32 partial from the combined `states`, into slot `slot` of sequence b.
+    auto write_partial = [&](int b, int slot, WarpStates states) {
+        const size_t slot_row0 = ((size_t)b * num_splits + slot) * rows_per_slot + (size_t)row_y * ROWS;
+        for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += WARPS * 32)
+            partial_o[slot_row0 * HEAD_DIM + idx] = cta_value_of(states, idx, 0.f, false);
+        if (threadIdx.x < ROWS) partial_lse[slot_row0 + threadIdx.x] = states.row_lse2()[threadIdx.x];
     };
-    // Counts the CTA on row (b, h)'s merge counter `which`, once its partials are written. True for
+    // Counts the CTA on its row's merge counter `which`, once its partials are written. True for
     // the last of `arrivals`, which also resets the counter (for the next launch, and for CUDA-graph
     // replays).
     __shared__ int is_last;
-    auto count_last = [&](int b, int h, int which, int arrivals) {
+    auto count_last = [&](int which, int arrivals) {
         __syncthreads();  // the CTA's partials are written before thread 0 counts it
         if (threadIdx.x == 0) {
             // acq_rel: releases the partials this thread synchronised with above, and acquires those
             // of the CTAs counted before it; the barrier below passes both to the whole CTA.
-            int* counter = counters + ((size_t)b * num_kv_heads + h) * ROW_COUNTERS + which;
+            const int cta_rows = at.num_kv_heads * ROW_BLOCKS;
+            int* counter = counters + ((size_t)batch_idx * cta_rows + row_y) * ROW_COUNTERS + which;
             is_last = splitkv::atomic_add_acq_rel_gpu(counter, 1) == arrivals - 1;
             if (is_last) *counter = 0;
         }
         __syncthreads();
         return is_last != 0;
     };
-    // The row's last CTA of `arrivals` merges the first `slots_used` slots, a warp per query head.
-    auto count_and_merge = [&](int b, int h, int arrivals, int slots_used) {
-        if (!count_last(b, h, 0, arrivals)) return;
-        for (int row = warp; row < GROUP; row += WARPS)
-            splitkv::merge_row<HEAD_DIM, out_t>(partial_o, partial_lse, out, lse, b, h * GROUP + row,
-                                                num_qo_heads, num_splits, slots_used, lane);
+    // The row's last CTA of `arrivals` merges the first `slots_used` slots, a warp per row.
+    auto count_and_merge = [&](int arrivals, int slots_used) {
+        if (!count_last(0, arrivals)) return;
+        for (int row = warp; row < ROWS; row += WARPS) {
+            if (at.out_row(row) < 0) continue;  // a padding row
+            splitkv::merge_row<HEAD_DIM, out_t>(partial_o, partial_lse, out, lse, batch_idx, row_y * ROWS + row,
+                                                rows_per_slot, num_splits, slots_used, lane, MergedRow{at, row});
+        }
     };
     const WarpStates combined{reinterpret_cast<float*>(smem)};
     if constexpr (WARP_HEADS) {
@@ -112,14 +146,21 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         // Unrolled, with a division that does not branch, so that each thread's loads, divisions
         // and stores overlap: element after element, the loop was a chain of latencies that kept
         // the last CTA longer than the one-row program's epilogue.
-        const size_t first_row = (size_t)batch_idx * num_qo_heads + (size_t)blockIdx.y * WARPS * GROUP;
+        const size_t first_row = (size_t)batch_idx * at.num_qo_heads + (size_t)blockIdx.y * WARPS * GROUP;
+        // The row's final denominator: its sum, and its sink's weight.
+        auto denominator = [&](int w, int row) {
+            const float l = combined.l()[w * 16 + row];
+            if constexpr (!SINKS) return l;
+            const float sink2 = splitkv::sink_log2(at.sinks, (blockIdx.y * WARPS + w) * GROUP + row);
+            return l != 0.f ? l + splitkv::sink_weight(sink2, combined.m()[w * 16 + row]) : 0.f;
+        };
         constexpr int PER_THREAD = GROUP * HEAD_DIM / 32;  // WARPS x GROUP x HEAD_DIM over WARPS x 32 threads
         static_assert(GROUP * HEAD_DIM % 32 == 0, "every thread writes the same number of outputs");
 #pragma unroll 8
         for (int i = 0; i < PER_THREAD; ++i) {
             const int idx = threadIdx.x + i * WARPS * 32;
             const int w = idx / (GROUP * HEAD_DIM), row = idx / HEAD_DIM % GROUP;
-            const float l = combined.l()[w * 16 + row];
+            const float l = denominator(w, row);
             out[first_row * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(l != 0.f ? __fdividef(combined.o()[idx], l) : final_empty(at));
         }
         if (lse != nullptr && threadIdx.x < WARPS * GROUP) {
@@ -132,14 +173,13 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
     const float* row_lse2 = combined.row_lse2();
     combine_warps(combined);
     __syncthreads();
-    auto cta_value = [&](int idx) { return cta_value_of(combined, idx, 0.f); };  // a partial's
+    auto cta_value = [&](int idx) { return cta_value_of(combined, idx, 0.f, false); };  // a partial's
 
-    const size_t row0 = (size_t)batch_idx * num_qo_heads + (size_t)kv_head * GROUP;
     if constexpr (UNITS) {
-        if (partial_slot >= 0) {  // a piece of a split row: its partial into slot [partial_slot][GROUP][HEAD_DIM]
-            for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
-                partial_o[(size_t)partial_slot * GROUP * HEAD_DIM + idx] = cta_value(idx);
-            if (threadIdx.x < GROUP) partial_lse[(size_t)partial_slot * GROUP + threadIdx.x] = row_lse2[threadIdx.x];
+        if (partial_slot >= 0) {  // a piece of a split row: its partial into slot [partial_slot][ROWS][HEAD_DIM]
+            for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += WARPS * 32)
+                partial_o[(size_t)partial_slot * ROWS * HEAD_DIM + idx] = cta_value(idx);
+            if (threadIdx.x < ROWS) partial_lse[(size_t)partial_slot * ROWS + threadIdx.x] = row_lse2[threadIdx.x];
             return;
         }
     }
@@ -147,11 +187,15 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         if constexpr (CLUSTER > 1) splitkv::cluster_wait();  // pairs with the arrival at the start
         if (split == 0) {
             const float empty = final_empty(at);
-            for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
-                out[row0 * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(cta_value_of(combined, idx, empty));
-            if (lse != nullptr && threadIdx.x < GROUP) {
+            for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += WARPS * 32) {
+                const long long out_row = at.out_row(idx / HEAD_DIM);
+                if (out_row >= 0)
+                    out[out_row * HEAD_DIM + idx % HEAD_DIM] = splitkv::Elem<out_t>::from_float(cta_value_of(combined, idx, empty, true));
+            }
+            if (lse != nullptr && threadIdx.x < ROWS) {
+                const long long out_row = at.out_row(threadIdx.x);
                 const float l = combined.row_l()[threadIdx.x];
-                lse[row0 + threadIdx.x] = l != 0.f ? row_lse2[threadIdx.x] * LN2 : final_empty_lse(at);
+                if (out_row >= 0) lse[out_row] = l != 0.f ? row_lse2[threadIdx.x] * LN2 : final_empty_lse(at);
             }
         }
         return;
@@ -178,18 +222,18 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         splitkv::cluster_wait();  // every member's inbox barrier is initialised
         // Four elements per store: SLICE and HEAD_DIM are multiples of 4, so the four belong to one
         // member and one row, and land 16-byte aligned.
-        for (int idx = 4 * threadIdx.x; idx < GROUP * HEAD_DIM; idx += 4 * WARPS * 32) {
+        for (int idx = 4 * threadIdx.x; idx < ROWS * HEAD_DIM; idx += 4 * WARPS * 32) {
             const float4 value = make_float4(cta_value(idx), cta_value(idx + 1), cta_value(idx + 2), cta_value(idx + 3));
             splitkv::store4_async_to_cluster_rank(inbox_o + rank * SLICE + idx % SLICE, idx / SLICE, value, &inbox_full);
         }
-        for (int i = threadIdx.x; i < CLUSTER * GROUP; i += WARPS * 32)
-            splitkv::store_async_to_cluster_rank(inbox_lse2 + rank * 16 + i % GROUP, i / GROUP, row_lse2[i % GROUP],
+        for (int i = threadIdx.x; i < CLUSTER * ROWS; i += WARPS * 32)
+            splitkv::store_async_to_cluster_rank(inbox_lse2 + rank * 16 + i % ROWS, i / ROWS, row_lse2[i % ROWS],
                                                  &inbox_full);
         splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed
         if (slot >= slots_used) return;  // a cluster wholly past the length: its partial is never read
-        const size_t slot_row0 = ((size_t)batch_idx * num_splits + slot) * num_qo_heads + (size_t)kv_head * GROUP;
-        const size_t split_row0 = ((size_t)batch_idx * num_splits + split) * num_qo_heads + (size_t)kv_head * GROUP;
-        for (int e = threadIdx.x; e < SLICE && rank * SLICE + e < GROUP * HEAD_DIM; e += WARPS * 32) {
+        const size_t slot_row0 = ((size_t)batch_idx * num_splits + slot) * rows_per_slot + (size_t)row_y * ROWS;
+        const size_t split_row0 = ((size_t)batch_idx * num_splits + split) * rows_per_slot + (size_t)row_y * ROWS;
+        for (int e = threadIdx.x; e < SLICE && rank * SLICE + e < ROWS * HEAD_DIM; e += WARPS * 32) {
             const int idx = rank * SLICE + e, row = idx / HEAD_DIM;
             float m = -INFINITY;
 #pragma unroll
@@ -206,11 +250,16 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
             // A cluster that is the whole row has tokens in it (splits_used > 1): a sum of 0 is
             // every score -inf (see final_empty); a cluster's partial of 0 is empty.
             const bool summed = total != 0.f;
-            const float value = summed ? __fdividef(acc, total) : (whole_row ? NAN : 0.f);
+            // The final output's denominator takes the row's sink; a partial's does not.
+            const float den = whole_row && SINKS ? total + splitkv::sink_weight(at.sink2(row), m) : total;
+            const float value = summed ? __fdividef(acc, den) : (whole_row ? NAN : 0.f);
             const float lse2 = summed ? m + __log2f(total) : (whole_row ? NAN : -INFINITY);
             if (whole_row) {
-                out[row0 * HEAD_DIM + idx] = splitkv::Elem<out_t>::from_float(value);
-                if (lse != nullptr && idx % HEAD_DIM == 0) lse[row0 + row] = lse2 * LN2;
+                const long long out_row = at.out_row(row);
+                if (out_row >= 0) {
+                    out[out_row * HEAD_DIM + idx % HEAD_DIM] = splitkv::Elem<out_t>::from_float(value);
+                    if (lse != nullptr && idx % HEAD_DIM == 0) lse[out_row] = lse2 * LN2;
+                }
             } else {
                 partial_o[slot_row0 * HEAD_DIM + idx] = value;
                 // Each rank's merger reads the log-sum-exps of the rows its slice meets, written
@@ -223,17 +272,18 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         // r of their cluster's partial, and the last of them to arrive merges slice r of the row.
         // Every slice has its own counter and merger, so the row's final merge runs on CLUSTER
         // CTAs at once instead of on the row's last CTA alone.
-        const int slice_end = min((rank + 1) * SLICE, GROUP * HEAD_DIM);
+        const int slice_end = min((rank + 1) * SLICE, ROWS * HEAD_DIM);
         if (!FUSED_MERGE || rank * SLICE >= slice_end) return;  // an empty slice (SLICE rounds up)
-        if (!count_last(batch_idx, kv_head, rank, slots_used)) return;
+        if (!count_last(rank, slots_used)) return;
         constexpr int SPAN = SLICE < HEAD_DIM ? SLICE : HEAD_DIM;
-        splitkv::merge_elements<HEAD_DIM, SPAN, WARPS, out_t>(partial_o, partial_lse, out, lse, batch_idx,
-                                                              kv_head * GROUP, num_qo_heads, num_splits, slots_used,
+        splitkv::merge_elements<HEAD_DIM, SPAN, WARPS, out_t>(partial_o, partial_lse, out, lse, batch_idx, row_y,
+                                                              at.out_rows(), SINKS ? at.sinks : nullptr,
+                                                              rows_per_slot, num_splits, slots_used,
                                                               rank * SLICE, slice_end, rank, CLUSTER, warp, lane);
     } else {
-        write_partial(batch_idx, kv_head, slot, combined);  // without clusters: into the split's slot
+        write_partial(batch_idx, slot, combined);  // without clusters: into the split's slot
         if (!FUSED_MERGE) return;
-        count_and_merge(batch_idx, kv_head, splits_used, slots_used);
+        count_and_merge(splits_used, slots_used);
     }
 }
 }  // namespace

@@ -12,7 +12,6 @@ namespace splitkv::decode {
 namespace {
 // The program over the fields of Params (see splitkv/params.py), taken apart so that its pointers
 // are restrict parameters: the compiler may then read the inputs through the read-only path.
-template <class Variant>
 __device__ __forceinline__ void decode_program(
         const q_t* __restrict__ q, const unsigned char* __restrict__ k, const unsigned char* __restrict__ v,
         const int* __restrict__ seq_lens, out_t* __restrict__ out, float* __restrict__ lse,
@@ -21,7 +20,8 @@ __device__ __forceinline__ void decode_program(
         const splitkv::TensorMap& k_map, const splitkv::TensorMap& v_map,
         const float* __restrict__ k_scale, int k_per_head, const float* __restrict__ v_scale, int v_per_head,
         const unsigned char* __restrict__ k_block_scales, const unsigned char* __restrict__ v_block_scales,
-        const int* __restrict__ block_table, int table_stride, int num_pages, const int* __restrict__ units) {
+        const int* __restrict__ block_table, int table_stride, int num_pages, const int* __restrict__ units,
+        const float* __restrict__ sinks, int window_left, float soft_cap_log2) {
     extern __shared__ __align__(SMEM_ALIGN) unsigned char smem[];
     __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -41,7 +41,9 @@ __device__ __forceinline__ void decode_program(
         unit_end = unit_first + __ldg(unit + 3) * __ldg(units + 3);
         partial_slot = __ldg(unit + 4);
     }
-    const int kv_head = WARP_HEADS ? row_y * WARPS + warp : row_y;
+    // The CTA's K/V head and row block (its rows: block_row0 .. + ROWS of the head's rows).
+    const int kv_head = WARP_HEADS ? row_y * WARPS + warp : row_y / ROW_BLOCKS;
+    const int block_row0 = (row_y % ROW_BLOCKS) * ROWS;
     const int row_warp = WARP_HEADS ? 0 : warp;  // the warp's place among its row's warps
     const int num_splits = gridDim.x;
     if constexpr (CLUSTER > 1) {
@@ -50,9 +52,9 @@ __device__ __forceinline__ void decode_program(
         // of this CTA's slice, and their log-sum-exps). Its initialisation is published to the
         // cluster by the barrier below, whose wait comes only before the first push.
         if (threadIdx.x == 0) {
-            const int slice = min(SLICE, max(GROUP * HEAD_DIM - (int)splitkv::cluster_rank() * SLICE, 0));
+            const int slice = min(SLICE, max(ROWS * HEAD_DIM - (int)splitkv::cluster_rank() * SLICE, 0));
             splitkv::mbarrier_init(&inbox_full, 1);
-            splitkv::mbarrier_arrive_expect_tx(&inbox_full, CLUSTER * (slice + GROUP) * sizeof(float));
+            splitkv::mbarrier_arrive_expect_tx(&inbox_full, CLUSTER * (slice + ROWS) * sizeof(float));
             splitkv::mbarrier_init_fence();
         }
         splitkv::cluster_arrive_relaxed();
@@ -68,14 +70,26 @@ __device__ __forceinline__ void decode_program(
     // halves wait in q_high and are packed into qa by finish_q, after the first tiles are requested:
     // packed here, the pack's wait for the loads would hold back the tiles' requests.
     u32 q_high[QUANTIZED ? KSTEPS : 1][4];
-    auto load_q = [&](const q_t* q_rows) {  // the group's query heads, in global or shared memory
+    // Row r of the CTA: query token t, query head h of the K/V head (row block_row0 + r = t GROUP + h),
+    // or null for a padding row.
+    const q_t* const q_head = q + ((size_t)batch_idx * QUERY_TOKENS * num_qo_heads + (size_t)kv_head * GROUP) * HEAD_DIM;
+    auto q_row = [&](int r) -> const q_t* {
+        if constexpr (QUERY_TOKENS == 1 && ROW_BLOCKS == 1) {
+            return r < ROWS ? q_head + (size_t)r * HEAD_DIM : nullptr;
+        } else {
+            const int row = block_row0 + r;
+            if (r >= ROWS || row >= GROUP * QUERY_TOKENS) return nullptr;
+            return q_head + ((size_t)(row / GROUP) * num_qo_heads + row % GROUP) * HEAD_DIM;
+        }
+    };
+    auto load_q = [&]() {  // the CTA's rows of Q
         // k-slots `slot`, slot + 1 of k-step ks of one row, as stored: adjacent elements for 16-bit
         // K/V (both in the value returned), elements k_slot_dim apart for quantized K/V (the second
         // in ``high``).
         auto q_pair = [&](int row, int ks, int slot, u32& high) -> u32 {
             high = 0u;
-            if (row >= GROUP) return 0u;
-            const q_t* r = q_rows + (size_t)row * HEAD_DIM;
+            const q_t* r = q_row(row);
+            if (r == nullptr) return 0u;
             if constexpr (!QUANTIZED) return *reinterpret_cast<const u32*>(r + ks * 16 + slot);
             const unsigned short* bits = reinterpret_cast<const unsigned short*>(r);
             high = bits[k_slot_dim(ks, slot + 1)];
@@ -90,16 +104,19 @@ __device__ __forceinline__ void decode_program(
             qa[ks][3] = ROWS16 ? q_pair(qr + 8, ks, qc + 8, high[3]) : (high[3] = 0u);
         }
     };
-    load_q(q + ((size_t)batch_idx * num_qo_heads + (size_t)kv_head * GROUP) * HEAD_DIM);
+    load_q();
 
     // ---- this warp's tiles: w, w + WARPS, w + 2 WARPS, ... of the CTA's token range (every tile
     // of its own row with warp_heads) ---------------------------------------------------------------
     // The range is first taken as if the sequence filled the cache, so the first tiles are in
     // flight before the length arrives from memory; once it has, the range is trimmed. Tiles start
     // at the same tokens either way, and every fetched row lies inside the cache (< max_len).
-    int begin = 0, end = max_len;
+    // With a window the range starts at the window (merge.cuh: window_begin), so the length is
+    // waited for first: tiles before the window are never loaded.
+    const int window_first = WINDOW && !UNITS ? splitkv::window_begin(min(loaded_len, max_len), QUERY_TOKENS, window_left, TILE) : 0;
+    int begin = window_first, end = max_len;
     if (SPLIT) {
-        begin = min(split * tokens_per_split, max_len);
+        begin = min(window_first + split * tokens_per_split, max_len);
         end = min(begin + tokens_per_split, max_len);
     }
     if constexpr (UNITS) {
@@ -160,7 +177,8 @@ __device__ __forceinline__ void decode_program(
     int splits_used = 1;
     if (SPLIT) {
         // Clamped so that lengths beyond what the plan covers can never index past the workspace.
-        splits_used = min(len > 0 ? (len + tokens_per_split - 1) / tokens_per_split : 1, num_splits);
+        const int span = len - window_first;
+        splits_used = min(span > 0 ? (span + tokens_per_split - 1) / tokens_per_split : 1, num_splits);
         begin = min(begin, len);
     }
     if (UNITS) begin = min(begin, len);  // a unit past the length streams nothing
@@ -172,7 +190,8 @@ __device__ __forceinline__ void decode_program(
         drain(prefetched);
         return;
     }
-    WarpSoftmax<Variant> softmax;
+    WarpSoftmax softmax;
+    const Variant variant(len, window_left, soft_cap_log2, block_row0, [](int h) { return WarpSoftmax::row_of(h); });
     for (int t = 0; t < my_tiles; ++t) {
         load_tile(t + STAGES - 1);  // its stage was consumed in iteration t - 1
         wait_tile(t, WAIT_V_LATER ? 0 : 1);
@@ -203,7 +222,7 @@ __device__ __forceinline__ void decode_program(
         // S = Q K^T (tokens: S^T = K Q^T), then the online-softmax update of the running state.
         float s[S_BLOCKS][4];
         softmax.scores(s, k_tile, qa);
-        softmax.update(s, first, end, partial_tile, s_factor, kv_head * GROUP);
+        softmax.update(s, first, end, partial_tile, s_factor, variant);
 
         if constexpr (WAIT_V_LATER) {
             wait_tile(t, 1);
@@ -219,11 +238,10 @@ __device__ __forceinline__ void decode_program(
     // ---- combine the warps' states: shared memory is free now that the rings are drained -----
     softmax.sum_lanes();
     __syncthreads();
-    softmax.add_extra_terms(kv_head * GROUP, row_warp == 0 && (SPLIT ? split == 0 : !UNITS || unit_first == 0));
     softmax.store(WarpStates{reinterpret_cast<float*>(smem)}, warp, o_factor);
     __syncthreads();
-    write_result(ResultTarget{out, lse, partial_o, partial_lse, counters, num_kv_heads, num_qo_heads, num_splits,
-                              batch_idx, kv_head, end > 0},
+    write_result(ResultTarget{out, lse, partial_o, partial_lse, counters, sinks, num_kv_heads, num_qo_heads, num_splits,
+                              batch_idx, kv_head, row_y, end > 0},
                  smem, inbox_full, split, splits_used, partial_slot);
 }
 
@@ -246,9 +264,10 @@ __device__ __forceinline__ T param_field(const T& field) {
 extern "C" __global__ void __launch_bounds__(splitkv::decode::WARPS * 32, 1) SPLITKV_DECODE_CLUSTER_DIMS
 splitkv_decode(const __grid_constant__ splitkv::decode::Params p) {
     using splitkv::decode::param_field;
-    splitkv::decode::decode_program<splitkv::decode::DefaultVariant>(
+    splitkv::decode::decode_program(
         p.q, p.k, p.v, p.seq_lens, param_field(p.out), param_field(p.lse), param_field(p.partial_o),
         param_field(p.partial_lse), param_field(p.counters), p.max_len, p.num_kv_heads, p.tokens_per_split,
         p.scale_log2, p.k_map, p.v_map, p.k_scale, p.k_per_head, p.v_scale, p.v_per_head, p.k_block_scales,
-        p.v_block_scales, p.block_table, p.table_stride, p.num_pages, p.units);
+        p.v_block_scales, p.block_table, p.table_stride, p.num_pages, p.units, p.sinks, p.window_left,
+        p.soft_cap_log2);
 }

@@ -14,7 +14,7 @@ constexpr int W = 16 / KV_BITS;
 constexpr int ROW_COUNTERS = CLUSTER;
 constexpr int ROW_WARPS = WARP_HEADS ? 1 : WARPS;  // warps that share one row's tiles
 
-constexpr bool ROWS16 = GROUP > 8;            // MMA rows 8..15 carry query heads too
+constexpr bool ROWS16 = ROWS > 8;             // MMA rows 8..15 carry rows too
 constexpr int KSTEPS = HEAD_DIM / 16;         // k-steps of S = Q K^T
 constexpr int D_BLOCKS = HEAD_DIM / 8;        // n-blocks of O = P V
 constexpr int T_BLOCKS = TILE / 8;            // n-blocks of S
@@ -44,7 +44,7 @@ constexpr int LOADS_PER_LANE = TILE * ROW_CHUNKS / 32;
 constexpr float KV_UNIT = NVFP4 ? splitkv::E2M1_UNIT : 1.f;
 // S and the softmax run while V is still landing, except where the registers this keeps live
 // across the wait would spill (16-row MMAs at head_dim 256): there the tile is awaited whole.
-constexpr bool WAIT_V_LATER = !(GROUP > 8 && HEAD_DIM > 128);
+constexpr bool WAIT_V_LATER = !(ROWS > 8 && HEAD_DIM > 128);
 constexpr float LN2 = 0.69314718055994531f;
 // tma: the swizzle pattern repeats every 1024 bytes and is taken from the address bits, so the
 // rings start on a 1024-byte boundary.
@@ -148,15 +148,17 @@ __device__ __forceinline__ constexpr int o_dim(int m, int x, int chunks_per_m) {
 }
 
 // The warps' states in the layout the final combine reads (fp32), from one base address: per warp
-// a max (which the combine turns into the weight 2^(m_w - m)) and a sum per row, the CTA's sum and
-// base-2 log-sum-exp per row, then per warp its GROUP x HEAD_DIM accumulator.
+// a max (which the combine turns into the weight 2^(m_w - m)) and a sum per row, the CTA's sum,
+// base-2 log-sum-exp and final denominator (the sum, plus the sink's weight with SINKS) per row,
+// then per warp its ROWS x HEAD_DIM accumulator.
 struct WarpStates {
     float* base;
     __device__ float* m() const { return base; }                       // [WARPS][16]
     __device__ float* l() const { return base + WARPS * 16; }          // [WARPS][16]
     __device__ float* row_l() const { return base + 2 * WARPS * 16; }  // [16]
     __device__ float* row_lse2() const { return row_l() + 16; }        // [16]
-    __device__ float* o() const { return row_l() + 2 * 16; }           // [WARPS][GROUP][HEAD_DIM]
+    __device__ float* row_den() const { return row_l() + 2 * 16; }     // [16]
+    __device__ float* o() const { return row_l() + 3 * 16; }           // [WARPS][ROWS][HEAD_DIM]
 };
 
 // Tiles of [begin, end) that the row's w-th warp streams: w, w + ROW_WARPS, w + 2 ROW_WARPS, ...

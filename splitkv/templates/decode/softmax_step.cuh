@@ -5,20 +5,22 @@
 
 namespace splitkv::decode {
 namespace {
-// One online-softmax update of one row (query head) over the COUNT scores of it this lane holds:
-// scale into base 2, apply the variant's transform and mask (and the tail mask past `end`), take
-// the tile's max over the lanes that share the row (xor shuffles SHUFFLE_FIRST, 2 SHUFFLE_FIRST,
-// ... SHUFFLE_LAST), turn the scores into probabilities and fold them into (m_run, l_run).
-// Returns the factor the row's O accumulators are to be rescaled by. `score(i)` is the lane's i-th
-// score of the row (a reference), `token(i)` its token.
-template <class Variant, int COUNT, int SHUFFLE_FIRST, int SHUFFLE_LAST, class Score, class Token>
-__device__ __forceinline__ float online_softmax_update(float& m_run, float& l_run, Score score, Token token, int qo_head,
-                                                       bool partial_tile, int end, float s_factor) {
+// One online-softmax update of one row (MMA row `h` of the lane's two, see WarpSoftmax) over the
+// COUNT scores of it this lane holds: scale into base 2, apply the variant's transform, and in a
+// `masked` tile its row mask and the tail mask past `end`; take the tile's max over the lanes that
+// share the row (xor shuffles SHUFFLE_FIRST, 2 SHUFFLE_FIRST, ... SHUFFLE_LAST), turn the scores
+// into probabilities and fold them into (m_run, l_run). Returns the factor the row's O accumulators
+// are to be rescaled by. `score(i)` is the lane's i-th score of the row (a reference), `token(i)`
+// its token.
+template <int COUNT, int SHUFFLE_FIRST, int SHUFFLE_LAST, class Score, class Token>
+__device__ __forceinline__ float online_softmax_update(float& m_run, float& l_run, Score score, Token token,
+                                                       const Variant& variant, int h, bool masked, int end,
+                                                       float s_factor) {
     float tile_max = -INFINITY;
 #pragma unroll
     for (int i = 0; i < COUNT; ++i) {
-        float x = Variant::transform_score(score(i) * s_factor, qo_head, token(i));
-        if ((partial_tile && token(i) >= end) || !Variant::keep_token(qo_head, token(i))) x = -INFINITY;
+        float x = variant.transform_score(score(i) * s_factor);
+        if (masked && (token(i) >= end || !variant.keep_token(h, token(i)))) x = -INFINITY;
         score(i) = x;
         tile_max = fmaxf(tile_max, x);
     }
@@ -44,7 +46,7 @@ __device__ __forceinline__ float online_softmax_update(float& m_run, float& l_ru
 // ([0]) and 2(lane%4) + 1 ([1]), O held transposed (o[mb] has dims mb*16 + lane/4, and + 8).
 // Heads: rows lane/4 ([0]) and lane/4 + 8 ([1]). l is this lane's partial sum over its tokens.
 // (No lane members: each step reads the lane as lane_id says, with qr = lane/4 and qc = 2(lane%4).)
-template <class Variant>
+// Rows are the CTA's rows (query tokens x query heads, see decode.cu.j2's ROWS).
 struct WarpSoftmax {
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float o[O_BLOCKS][4];
@@ -137,31 +139,31 @@ struct WarpSoftmax {
         }
     }
 
-    // The online-softmax update of every row the lane holds, with the tile's first token `first`
-    // and the tail from `end` masked; rescales O. Tokens: s[kb][2 hi + j] is token kb*16 + lane/4
+    // The online-softmax update of every row the lane holds, with the tile's first token `first`,
+    // the tail from `end` masked (`partial_tile`: the tile crosses it) and the variant's masks where
+    // the tile crosses them; rescales O. Tokens: s[kb][2 hi + j] is token kb*16 + lane/4
     // + 8 hi of head 2(lane%4) + j, the row's other lanes those of lane ^ 4, ^ 8, ^ 16. Heads:
     // s[nb][2 h + e] is token nb*8 + 2(lane%4) + e of row lane/4 + 8 h, the others lane ^ 1, ^ 2.
     __device__ __forceinline__ void update(float (&s)[S_BLOCKS][4], int first, int end, bool partial_tile,
-                                           float s_factor, int qo_head0) {
+                                           float s_factor, const Variant& variant) {
         [[maybe_unused]] const int lane = lane_id(), qr = lane / 4, qc = 2 * (lane % 4);
         constexpr int COUNT = 2 * S_BLOCKS;
+        const bool masked = partial_tile || variant.masks_tile(first);
 #pragma unroll
         for (int h = 0; h < (MMA_TOKENS || ROWS16 ? 2 : 1); ++h) {
             if constexpr (MMA_TOKENS) {
-                const float alpha = online_softmax_update<Variant, COUNT, 4, 16>(
+                const float alpha = online_softmax_update<COUNT, 4, 16>(
                     m_run[h], l_run[h], [&](int i) -> float& { return s[i / 2][2 * (i % 2) + h]; },
-                    [&](int i) { return first + (i / 2) * 16 + 8 * (i % 2) + qr; }, qo_head0 + row_of(h),
-                    partial_tile, end, s_factor);
+                    [&](int i) { return first + (i / 2) * 16 + 8 * (i % 2) + qr; }, variant, h, masked, end, s_factor);
 #pragma unroll
                 for (int mb = 0; mb < O_BLOCKS; ++mb) {
                     o[mb][h] *= alpha;
                     o[mb][2 + h] *= alpha;
                 }
             } else {
-                const float alpha = online_softmax_update<Variant, COUNT, 1, 2>(
+                const float alpha = online_softmax_update<COUNT, 1, 2>(
                     m_run[h], l_run[h], [&](int i) -> float& { return s[i / 2][2 * h + i % 2]; },
-                    [&](int i) { return first + (i / 2) * 8 + qc + i % 2; }, qo_head0 + row_of(h),
-                    partial_tile, end, s_factor);
+                    [&](int i) { return first + (i / 2) * 8 + qc + i % 2; }, variant, h, masked, end, s_factor);
 #pragma unroll
                 for (int nd = 0; nd < O_BLOCKS; ++nd) {
                     o[nd][2 * h] *= alpha;
@@ -257,26 +259,6 @@ struct WarpSoftmax {
                 l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], mask);
         }
     }
-    // Extra softmax terms (hooks.cuh), on the warp that holds the row's first token (`holds_first`).
-    __device__ __forceinline__ void add_extra_terms(int qo_head0, bool holds_first) {
-        if constexpr (Variant::EXTRA_TERMS) {
-            if (!holds_first) return;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float factor = Variant::extra_terms(qo_head0 + row_of(h), m_run[h], l_run[h]);
-#pragma unroll
-                for (int mb = 0; mb < O_BLOCKS; ++mb) {
-                    if constexpr (MMA_TOKENS) {
-                        o[mb][h] *= factor;
-                        o[mb][2 + h] *= factor;
-                    } else {
-                        o[mb][2 * h] *= factor;
-                        o[mb][2 * h + 1] *= factor;
-                    }
-                }
-            }
-        }
-    }
     // Warp `warp`'s part of `states`, O times `o_factor`.
     __device__ __forceinline__ void store(WarpStates states, int warp, float o_factor) const {
         [[maybe_unused]] const int lane = lane_id(), qr = lane / 4, qc = 2 * (lane % 4);
@@ -287,14 +269,14 @@ struct WarpSoftmax {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int row = qc + j;  // query head 2(lane%4) + j
-                if (row < GROUP) {
+                if (row < ROWS) {
                     if (lane < 4) {
                         warp_m[warp * 16 + row] = m_run[j];
                         warp_l[warp * 16 + row] = l_run[j];
                     }
 #pragma unroll
                     for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
-                        float* dst = warp_o + ((size_t)warp * GROUP + row) * HEAD_DIM;
+                        float* dst = warp_o + ((size_t)warp * ROWS + row) * HEAD_DIM;
                         dst[o_dim(mb, qr, 2)] = o[mb][j] * o_factor;
                         dst[o_dim(mb, qr + 8, 2)] = o[mb][2 + j] * o_factor;
                     }
@@ -304,14 +286,14 @@ struct WarpSoftmax {
 #pragma unroll
             for (int h = 0; h < (ROWS16 ? 2 : 1); ++h) {
                 const int row = qr + 8 * h;
-                if (row < GROUP) {
+                if (row < ROWS) {
                     if (lane % 4 == 0) {
                         warp_m[warp * 16 + row] = m_run[h];
                         warp_l[warp * 16 + row] = l_run[h];
                     }
 #pragma unroll
                     for (int nd = 0; nd < D_BLOCKS; ++nd) {
-                        float* dst = warp_o + ((size_t)warp * GROUP + row) * HEAD_DIM;
+                        float* dst = warp_o + ((size_t)warp * ROWS + row) * HEAD_DIM;
                         if constexpr (W == 1) {  // columns qc, qc + 1 are adjacent elements
                             *reinterpret_cast<float2*>(dst + nd * 8 + qc) = make_float2(o[nd][2 * h] * o_factor, o[nd][2 * h + 1] * o_factor);
                         } else {

@@ -5,22 +5,43 @@
 namespace splitkv::merge {
 namespace {
 
-// A split plan's rows: [batch][num_splits][num_qo_heads] partials; rows whose sequence needed a
-// single split were already written by the decode program and are skipped.
+// Where the rows land in the output (merge.cuh).
+__device__ __forceinline__ splitkv::OutRows out_rows(const Params& p) {
+    return splitkv::OutRows{p.num_qo_heads, p.group, p.query_tokens, p.row_blocks, p.cta_rows};
+}
+
+// Where partial row `row` (CTA row row / cta_rows, its row row % cta_rows) of sequence b goes, read
+// from the struct once the row is merged (nothing of it live while the partials are summed).
+struct Target {
+    const Params& p;
+    int batch_idx, row;
+    __device__ __forceinline__ long long out_row() const {
+        return out_rows(p).of(batch_idx, row / p.cta_rows, row % p.cta_rows);
+    }
+    __device__ __forceinline__ float sink2() const {
+        return splitkv::sink_log2(p.sinks, out_rows(p).head(row / p.cta_rows, row % p.cta_rows));
+    }
+};
+
+// A split plan's rows: [batch][num_splits][rows_per_slot] partials (a slot's rows: K/V heads x row
+// blocks x cta_rows); rows whose sequence needed a single split were already written by the decode
+// program and are skipped, as are padding rows.
 __device__ __forceinline__ void merge_split_rows(const Params& p, int warp_row, int lane) {
-    if (warp_row >= p.batch * p.num_qo_heads) return;
-    const int batch_idx = warp_row / p.num_qo_heads, head = warp_row % p.num_qo_heads;
+    const int rows_per_slot = p.rows_per_slot;
+    if (warp_row >= p.batch * rows_per_slot) return;
+    const int batch_idx = warp_row / rows_per_slot, row = warp_row % rows_per_slot;
     const int len = min(p.seq_lens[batch_idx], p.max_len);  // as the decode program clamps it
+    const int span = len - splitkv::window_begin(len, p.query_tokens, p.window_left, p.window_align);
     const int splits_used =
-        min(len > 0 ? (len + p.tokens_per_split - 1) / p.tokens_per_split : 1, p.num_splits);
+        min(span > 0 ? (span + p.tokens_per_split - 1) / p.tokens_per_split : 1, p.num_splits);
     if (splits_used <= 1) return;
-    splitkv::merge_row<HEAD_DIM, out_t>(p.partial_o, p.partial_lse, p.out, p.lse, batch_idx, head, p.num_qo_heads,
-                                        p.num_splits, splits_used, lane);
+    splitkv::merge_row<HEAD_DIM, out_t>(p.partial_o, p.partial_lse, p.out, p.lse, batch_idx, row, rows_per_slot,
+                                        p.num_splits, splits_used, lane, Target{p, batch_idx, row});
 }
 
 // A units plan's merge table: merge m combines the num_splits partials from slot first_slot on,
-// each [group][HEAD_DIM] fp32 (and [group] base-2 log-sum-exps), of output row (sequence x
-// num_kv_heads + K/V head).
+// each [cta_rows][HEAD_DIM] fp32 (and [cta_rows] base-2 log-sum-exps: a K/V head's rows, in one
+// block), of CTA row (sequence x num_kv_heads + K/V head).
 __device__ __forceinline__ void merge_unit_rows(const Params& p, int warp_row, int lane) {
     // The fields as restrict-qualified locals, as the old positional arguments were: read through
     // the struct, the compiler keeps more of them live (more registers, the same arithmetic).
@@ -29,16 +50,17 @@ __device__ __forceinline__ void merge_unit_rows(const Params& p, int warp_row, i
     const int* __restrict__ units = p.units;
     out_t* __restrict__ out = p.out;
     float* __restrict__ lse = p.lse;
-    const int group = p.group, max_units = p.max_units;
-    const int merge = warp_row / group, head = warp_row % group;
+    const int cta_rows = p.cta_rows, max_units = p.max_units;
+    const int merge = warp_row / cta_rows, r = warp_row % cta_rows;
     if (merge >= units[1]) return;  // the grid may cover more merges than this plan has
     const int* row = units + UNIT_HEADER + (size_t)max_units * UNIT_FIELDS + (size_t)merge * MERGE_FIELDS;
-    const size_t out_row0 = (size_t)row[0] * group;  // the row's first query head: (b Hkv + h) G = b Hq + h G
+    const int num_kv_heads = p.num_qo_heads / p.group;
+    const int batch_idx = row[0] / num_kv_heads, kv_head = row[0] % num_kv_heads;
+    if (r >= p.group * p.query_tokens) return;  // padding
     const int first_slot = row[1], splits = row[2];
     splitkv::merge_row_span<HEAD_DIM, HEAD_DIM, out_t>(
-        partial_o + (size_t)first_slot * group * HEAD_DIM, partial_lse + (size_t)first_slot * group,
-        out + out_row0 * HEAD_DIM, lse != nullptr ? lse + out_row0 : nullptr, 0, head, group, splits, splits,
-        0, HEAD_DIM, 0, 1, lane);
+        partial_o + (size_t)first_slot * cta_rows * HEAD_DIM, partial_lse + (size_t)first_slot * cta_rows,
+        out, lse, 0, r, cta_rows, splits, splits, 0, HEAD_DIM, 0, 1, lane, Target{p, batch_idx, kv_head * cta_rows + r});
 }
 
 }  // namespace

@@ -36,8 +36,10 @@ def test_shape_token_round_trips_and_label_matches_reference_notation():
 
 @pytest.mark.parametrize("token, fragment", [
     ("1:32:8:128", "expected B:Hq:Hkv:D:L"),
-    ("1:32:8:128:4k:fp8:x", "expected B:Hq:Hkv:D:L"),
-    ("1:32:8:128:4k:int4", "format must be one of"),
+    ("1:32:8:128:4k:fp8:x", "neither a format"),
+    ("1:32:8:128:4k:int4", "neither a format"),
+    ("1:32:8:128:4k:sink:fp8", "neither a format"),  # the format comes first
+    ("1:32:8:128:4k:t17", "t must be 1..16"),
     ("", "expected B:Hq:Hkv:D:L"),
     ("x:32:8:128:4k", "B must be a positive integer"),
     ("1:32:8:-128:4k", "D must be a positive integer"),
@@ -51,6 +53,17 @@ def test_shape_token_round_trips_and_label_matches_reference_notation():
 def test_parse_shape_rejects_bad_tokens(token, fragment):
     with pytest.raises(ValueError, match=fragment):
         parse_shape(token)
+
+
+def test_variant_shapes_parse_back_and_count_the_window_s_bytes():
+    shape = parse_shape("1:32:8:128:64k:fp8:t4:w4095:cap30:sink")
+    assert (shape.kv_dtype, shape.query_tokens, shape.window_left, shape.soft_cap, shape.sinks) == (
+        "fp8_e4m3", 4, 4095, 30.0, True)
+    assert parse_shape(shape.token) == shape and shape.label == "1, 32/8, 128, 64k, fp8, t4, w4095, cap30, sink"
+    assert shape.attended_len == 4099 and shape.kv_bytes * 65536 == shape.cache_bytes * 4099
+    assert shape.q_bytes == 4 * 32 * 128 * 2
+    plain = parse_shape("1:32:8:128:64k")
+    assert not plain.has_variant and plain.attended_len == 65536 and plain.variant_suffix == ""
 
 
 def test_parse_shapes_splits_commas_and_spaces():

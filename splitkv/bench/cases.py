@@ -67,17 +67,25 @@ def splitkv_case(package, layers: Layers, spec=None, variant: str | None = None,
     attn = package.DecodeAttention(s.num_qo_heads, s.num_kv_heads, s.head_dim, q_dtype="bf16",
                                    kv_dtype=s.kv_dtype, spec=spec, tuned=tuned)
     plan_kw = {} if variant is None else {"variant": variant}
+    if s.has_variant:
+        plan_kw.update(query_tokens=s.query_tokens, window_left=s.window_left, logits_soft_cap=s.soft_cap,
+                       sinks=s.sinks)
     attn.plan([s.seq_len] * s.batch, s.seq_len, **plan_kw)
     ks = [adopt_cache(package, k) for k in layers.k]
     vs = [adopt_cache(package, v) for v in layers.v]
     outs = [torch.empty_like(q) for q in layers.q]
 
-    def launcher(q, k, v, out):
-        def call():
-            attn.run(q, k, v, out=out)
+    def launcher(q, k, v, out, sinks):
+        if sinks is None:  # another checkout's run() may predate the argument
+            def call():
+                attn.run(q, k, v, out=out)
+        else:
+            def call():
+                attn.run(q, k, v, out=out, sinks=sinks)
         return call
 
-    calls = [launcher(*args) for args in zip(layers.q, ks, vs, outs)]
+    sinks = layers.sinks or [None] * layers.count
+    calls = [launcher(*args) for args in zip(layers.q, ks, vs, outs, sinks)]
     info = {"plan_info": str(getattr(attn, "plan_info", ""))}
     if spec is not None:
         info["spec_name"] = spec.name

@@ -25,9 +25,10 @@ TOLERANCE = 1e-2
 
 
 class Layers:
-    """``count`` layers of one shape, as torch tensors on the current GPU: ``q[i]`` [B, Hq, D] bf16,
-    ``k[i]`` and ``v[i]`` [B, L, Hkv, D] (bf16, or the `splitkv.QuantizedKV` of that shape's format,
-    per-tensor scale). ``k_bf16_0``, ``v_bf16_0``: layer 0's values before quantization."""
+    """``count`` layers of one shape, as torch tensors on the current GPU: ``q[i]`` [B, Hq, D] bf16
+    ([B, T, Hq, D] for T query tokens), ``k[i]`` and ``v[i]`` [B, L, Hkv, D] (bf16, or the
+    `splitkv.QuantizedKV` of that shape's format, per-tensor scale), ``sinks[i]`` float32 [Hq]
+    (shapes with sinks). ``k_bf16_0``, ``v_bf16_0``: layer 0's values before quantization."""
 
     def __init__(self, shape: Shape, count: int, seed: int, torch_mod):
         self.shape, self.count, self.torch = shape, int(count), torch_mod
@@ -35,9 +36,12 @@ class Layers:
         gen = torch_mod.Generator(device="cuda")
         gen.manual_seed(seed)
         opts = dict(device="cuda", dtype=torch_mod.bfloat16, generator=gen)
-        self.q, self.k, self.v = [], [], []
+        self.q, self.k, self.v, self.sinks = [], [], [], []
+        q_shape = (b, shape.query_tokens, hq, d) if shape.query_tokens > 1 else (b, hq, d)
         for i in range(self.count):
-            self.q.append(torch_mod.randn((b, hq, d), **opts))
+            self.q.append(torch_mod.randn(q_shape, **opts))
+            if shape.sinks:
+                self.sinks.append(torch_mod.randn((hq,), device="cuda", dtype=torch_mod.float32, generator=gen) * 2)
             k, v = torch_mod.randn((b, n, hkv, d), **opts), torch_mod.randn((b, n, hkv, d), **opts)
             if i == 0:
                 self.k_bf16_0, self.v_bf16_0 = k, v
@@ -68,30 +72,49 @@ class Layers:
         if queries is not None and not key:
             raise ValueError("reference: other queries need a key of their own")
         return self.memo(("reference", key), lambda: [
-            attention_f64(self.q[i] if queries is None else queries[i], *self.kv_values(i), self.torch)
+            attention_f64(self.q[i] if queries is None else queries[i], *self.kv_values(i), self.torch,
+                          self.shape, self.sinks[i] if self.sinks else None)
             for i in range(self.count)])
 
     def end_to_end_reference(self):
         """Layer 0's float64 output over the values before quantization (quantized shapes): the
         error of a format and a program together."""
-        return self.memo("end_to_end", lambda: attention_f64(self.q[0], self.k_bf16_0.double(),
-                                                             self.v_bf16_0.double(), self.torch))
+        return self.memo("end_to_end", lambda: attention_f64(
+            self.q[0], self.k_bf16_0.double(), self.v_bf16_0.double(), self.torch, self.shape,
+            self.sinks[0] if self.sinks else None))
 
 
-def attention_f64(q, k, v, torch_mod):
-    """float64 attention of one query token per sequence: q [B, Hq, D], k and v [B, L, Hkv, D],
-    query head h reading K/V head h // (Hq / Hkv), scale 1/sqrt(D); [B, Hq, D]. One sequence at a
-    time, so that a long cache in float64 is the largest temporary."""
-    b, hq, d = q.shape
-    hkv = k.shape[2]
-    out = torch_mod.empty((b, hq, d), dtype=torch_mod.float64, device=q.device)
+def attention_f64(q, k, v, torch_mod, shape: Shape | None = None, sinks=None):
+    """float64 attention: q [B, Hq, D] (or [B, T, Hq, D]: T query tokens, causal among them), k
+    and v [B, L, Hkv, D], query head h reading K/V head h // (Hq / Hkv), scale 1/sqrt(D), with the
+    ``shape``'s window and soft-cap and the ``sinks`` [Hq] (`splitkv.variants` states them); out of
+    q's shape. One sequence at a time, so that a long cache in float64 is the largest temporary."""
+    tokens = q.ndim == 4
+    q4 = q if tokens else q.unsqueeze(1)
+    b, t, hq, d = q4.shape
+    length, hkv = k.shape[1], k.shape[2]
+    out = torch_mod.empty((b, t, hq, d), dtype=torch_mod.float64, device=q.device)
     scale = 1.0 / math.sqrt(d)
+    window = shape.window_left if shape is not None else -1
+    cap = shape.soft_cap if shape is not None else 0.0
+    position = torch_mod.arange(length - t, length, device=q.device)[:, None]  # [T, 1]: each query's
+    token = torch_mod.arange(length, device=q.device)[None, :]
+    keep = token <= position
+    if window >= 0:
+        keep &= token >= position - window
     for i in range(b):
-        qi = q[i].double().view(hkv, hq // hkv, d)
-        scores = torch_mod.einsum("hgd,lhd->hgl", qi, k[i].double()) * scale
-        probs = torch_mod.softmax(scores, dim=-1)
-        out[i] = torch_mod.einsum("hgl,lhd->hgd", probs, v[i].double()).reshape(hq, d)
-    return out
+        qi = q4[i].double().view(t, hkv, hq // hkv, d)
+        scores = torch_mod.einsum("thgd,lhd->hgtl", qi, k[i].double()) * scale
+        if cap > 0:
+            scores = cap * torch_mod.tanh(scores / cap)
+        scores = scores.masked_fill(~keep, -math.inf)
+        if sinks is not None:  # a column of its own in the softmax, with no value
+            sink = sinks.double().view(hkv, hq // hkv, 1, 1).expand(hkv, hq // hkv, t, 1)
+            probs = torch_mod.softmax(torch_mod.cat([scores, sink], dim=-1), dim=-1)[..., :length]
+        else:
+            probs = torch_mod.softmax(scores, dim=-1)
+        out[i] = torch_mod.einsum("hgtl,lhd->thgd", probs, v[i].double()).reshape(t, hq, d)
+    return out if tokens else out[:, 0]
 
 
 def poison(outputs) -> None:

@@ -33,6 +33,9 @@ def sdpa_case(layers: Layers, backend: str) -> Case:
     s = layers.shape
     if s.quantized:
         raise Unavailable(f"SDPA reads bf16/fp16 K/V, not {s.kv_dtype}")
+    if s.has_variant:
+        raise Unavailable("SDPA's decode backends take no window, soft-cap, sinks or several query tokens "
+                          "(without an explicit mask, which no backend here decodes with)")
     which = getattr(SDPBackend, backend)
 
     def context():
@@ -109,12 +112,17 @@ def fa3_case(layers: Layers) -> Case:
     torch = layers.torch
     fa3 = _peer_module("fa3_fwd_interface", "fa3-fwd", layers, f"FA3 has no {layers.shape.kv_dtype} K/V")
     s = layers.shape
+    if s.sinks:
+        raise Unavailable("FA3 (fa3-fwd 0.0.3) takes no attention sinks")
     fp8 = s.kv_dtype == "fp8_e4m3"
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     seqlens = torch.full((s.batch,), s.seq_len, dtype=torch.int32, device="cuda")
-    metadata = fa3.get_scheduler_metadata(s.batch, 1, s.seq_len, s.num_qo_heads, s.num_kv_heads, s.head_dim,
-                                          seqlens, qkv_dtype=dtype)
-    shape4 = (s.batch, 1, s.num_qo_heads, s.head_dim)
+    # Several query tokens are causal among themselves, bottom-right aligned as FA3 aligns a cache's.
+    variant = dict(causal=s.query_tokens > 1, window_size=(s.window_left, 0) if s.window_left >= 0 else (-1, -1))
+    metadata = fa3.get_scheduler_metadata(s.batch, s.query_tokens, s.seq_len, s.num_qo_heads, s.num_kv_heads,
+                                          s.head_dim, seqlens, qkv_dtype=dtype, has_softcap=s.soft_cap > 0, **variant)
+    variant["softcap"] = s.soft_cap
+    shape4 = (s.batch, s.query_tokens, s.num_qo_heads, s.head_dim)
     args, queries, reference, tolerance = [], None, None, None
     if fp8:
         def descale(scale):
@@ -137,11 +145,12 @@ def fa3_case(layers: Layers) -> Case:
         q, k, v, kw = args[i]
 
         def call():
-            outs[i] = fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, scheduler_metadata=metadata, **kw)
+            outs[i] = fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, scheduler_metadata=metadata,
+                                                  **variant, **kw)
         return call
 
     def outputs():
-        return [o.reshape(s.batch, s.num_qo_heads, s.head_dim) for o in outs]
+        return [o.reshape(layers.q[0].shape) for o in outs]
 
     case = Case([launcher(i) for i in range(layers.count)], outputs, reference=reference,
                 info={"qkv_dtype": str(dtype).replace("torch.", "")}, keep=(args, seqlens, metadata))
@@ -159,6 +168,9 @@ def flashinfer_case(layers: Layers) -> Case:
     flashinfer = _peer_module("flashinfer", "flashinfer", layers,
                               f"FlashInfer has no {layers.shape.kv_dtype} K/V decode for this GPU")
     s = layers.shape
+    if s.query_tokens > 1:
+        raise Unavailable("FlashInfer's decode wrapper serves one query token per sequence (several go through "
+                          "its prefill wrappers, not timed here)")
     pages_per_seq = -(-s.seq_len // PAGE_SIZE)
     pool = (s.batch * pages_per_seq, PAGE_SIZE, s.num_kv_heads, s.head_dim)
 
@@ -188,8 +200,16 @@ def flashinfer_case(layers: Layers) -> Case:
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=buffers[0],
         paged_kv_indices_buffer=buffers[1], paged_kv_last_page_len_buffer=buffers[2])
+    variant = {}
+    if s.window_left >= 0:
+        variant["window_left"] = s.window_left
+    if s.soft_cap > 0:
+        variant["logits_soft_cap"] = s.soft_cap
     wrapper.plan(indptr, indices, last_page_len, s.num_qo_heads, s.num_kv_heads, s.head_dim, PAGE_SIZE,
-                 q_data_type=torch.bfloat16, kv_data_type=caches[0][0].dtype)
+                 q_data_type=torch.bfloat16, kv_data_type=caches[0][0].dtype, **variant)
+    if s.sinks:
+        for kw, sinks in zip(scales, layers.sinks):
+            kw["sinks"] = sinks
     outs = [torch.empty_like(q) for q in layers.q]
 
     def launcher(i):

@@ -22,7 +22,9 @@ _FORMAT_TOKENS = {"fp8_e4m3": "fp8", "nvfp4": "nvfp4"}
 
 @dataclass(frozen=True)
 class Shape:
-    """One decode problem: ``batch`` sequences of ``seq_len`` tokens, one query token each."""
+    """One decode problem: ``batch`` sequences of ``seq_len`` tokens, ``query_tokens`` query tokens
+    each (causal among them), with the attention variants of `splitkv.variants`: a sliding window
+    of ``window_left`` tokens (-1: none), a logits ``soft_cap`` (0: none), attention ``sinks``."""
 
     batch: int
     num_qo_heads: int
@@ -30,6 +32,36 @@ class Shape:
     head_dim: int
     seq_len: int
     kv_dtype: str = "bf16"
+    query_tokens: int = 1
+    window_left: int = -1
+    soft_cap: float = 0.0
+    sinks: bool = False
+
+    @property
+    def has_variant(self) -> bool:
+        return self.query_tokens > 1 or self.window_left >= 0 or self.soft_cap > 0 or self.sinks
+
+    @property
+    def variant_suffix(self) -> str:
+        """The variant's part of a token (':t4:w4095:cap30:sink'), '' for plain attention."""
+        parts = []
+        if self.query_tokens > 1:
+            parts.append(f"t{self.query_tokens}")
+        if self.window_left >= 0:
+            parts.append(f"w{self.window_left}")
+        if self.soft_cap > 0:
+            parts.append(f"cap{self.soft_cap:g}")
+        if self.sinks:
+            parts.append("sink")
+        return "".join(":" + p for p in parts)
+
+    @property
+    def attended_len(self) -> int:
+        """Tokens of a sequence some query attends to: all of them, or a window's (its first query
+        sees window_left tokens back, its last query_tokens - 1 more)."""
+        if self.window_left < 0:
+            return self.seq_len
+        return min(self.seq_len, self.window_left + self.query_tokens)
 
     @property
     def group_size(self) -> int:
@@ -40,34 +72,40 @@ class Shape:
         """The ``--shapes`` token that parses back to this shape."""
         fmt = f":{_FORMAT_TOKENS[self.kv_dtype]}" if self.kv_dtype != "bf16" else ""
         return (f"{self.batch}:{self.num_qo_heads}:{self.num_kv_heads}:{self.head_dim}:"
-                f"{format_length(self.seq_len)}{fmt}")
+                f"{format_length(self.seq_len)}{fmt}{self.variant_suffix}")
 
     @property
     def label(self) -> str:
         """'1, 32/8, 128, 4k': the notation of the reference tables (', fp8' or ', nvfp4' appended
         for a quantized K/V cache)."""
         fmt = f", {_FORMAT_TOKENS[self.kv_dtype]}" if self.kv_dtype != "bf16" else ""
+        variant = self.variant_suffix.replace(":", ", ")
         return (f"{self.batch}, {self.num_qo_heads}/{self.num_kv_heads}, {self.head_dim}, "
-                f"{format_length(self.seq_len)}{fmt}")
+                f"{format_length(self.seq_len)}{fmt}{variant}")
 
     @property
     def quantized(self) -> bool:
         return self.kv_dtype != "bf16"
 
-    # Byte accounting: what a decode must move at the least. K and V are read once, in their own
-    # format (NVFP4's block scales included); q is read and the output written once (both tiny next
-    # to K/V, but counted so that GB/s is honest).
+    # Byte accounting: what a decode must move at the least. K and V of the attended tokens are read
+    # once, in their own format (NVFP4's block scales included); q is read and the output written
+    # once (both tiny next to K/V, but counted so that GB/s is honest).
     @property
     def kv_bytes(self) -> int:
+        return 2 * self.batch * self.attended_len * self.num_kv_heads * kv_token_bytes(self.head_dim, self.kv_dtype)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of a layer's K and V caches in memory (the whole sequence, window or not)."""
         return 2 * self.batch * self.seq_len * self.num_kv_heads * kv_token_bytes(self.head_dim, self.kv_dtype)
 
     @property
     def q_bytes(self) -> int:
-        return self.batch * self.num_qo_heads * self.head_dim * DTYPE_BYTES["bf16"]
+        return self.batch * self.query_tokens * self.num_qo_heads * self.head_dim * DTYPE_BYTES["bf16"]
 
     @property
     def out_bytes(self) -> int:
-        return self.batch * self.num_qo_heads * self.head_dim * DTYPE_BYTES["bf16"]
+        return self.batch * self.query_tokens * self.num_qo_heads * self.head_dim * DTYPE_BYTES["bf16"]
 
     @property
     def total_bytes(self) -> int:
@@ -100,18 +138,38 @@ def format_length(n: int) -> str:
     return str(n)
 
 
+_VARIANT_RE = re.compile(r"^(?:t(\d+)|w(\d+)|cap(\d+(?:\.\d+)?)|(sink))$")
+
+
 def parse_shape(token: str) -> Shape:
     """Parse 'B:Hq:Hkv:D:L' (L may be written 4k), optionally ':fp8' or ':nvfp4' for a quantized
-    K/V cache; raises ValueError naming the bad part."""
+    K/V cache, then the variants: ':t4' (query tokens), ':w4095' (window_left), ':cap30' (soft-cap),
+    ':sink'; raises ValueError naming the bad part."""
     text = str(token).strip()
     parts = text.split(":")
-    if len(parts) not in (5, 6):
-        raise ValueError(f"shape {token!r}: expected B:Hq:Hkv:D:L[:FORMAT], e.g. 1:32:8:128:4k or 1:32:8:128:4k:fp8")
+    if len(parts) < 5:
+        raise ValueError(f"shape {token!r}: expected B:Hq:Hkv:D:L[:FORMAT][:t4][:w4095][:cap30][:sink], e.g. "
+                         "1:32:8:128:4k or 1:32:8:128:4k:fp8")
     kv_dtype = "bf16"
-    if len(parts) == 6:
-        kv_dtype = KV_FORMATS.get(parts[5].strip().lower())
-        if kv_dtype is None:
-            raise ValueError(f"shape {token!r}: format must be one of {sorted(KV_FORMATS)}, got {parts[5]!r}")
+    variant = dict(query_tokens=1, window_left=-1, soft_cap=0.0, sinks=False)
+    for place, extra in enumerate(parts[5:]):
+        word = extra.strip().lower()
+        m = _VARIANT_RE.match(word)
+        if word in KV_FORMATS and place == 0:
+            kv_dtype = KV_FORMATS[word]
+        elif m:
+            tokens, window, cap, sink = m.groups()
+            if tokens is not None:
+                variant["query_tokens"] = int(tokens)
+            elif window is not None:
+                variant["window_left"] = int(window)
+            elif cap is not None:
+                variant["soft_cap"] = float(cap)
+            else:
+                variant["sinks"] = True
+        else:
+            raise ValueError(f"shape {token!r}: {extra!r} is neither a format ({sorted(KV_FORMATS)}, first) nor a "
+                             "variant (t<tokens>, w<window_left>, cap<soft-cap>, sink)")
     names = ("B", "Hq", "Hkv", "D")
     values = []
     for name, part in zip(names, parts[:4]):
@@ -128,7 +186,9 @@ def parse_shape(token: str) -> Shape:
             raise ValueError(f"shape {token!r}: {name} must be positive, got {value}")
     if hq % hkv:
         raise ValueError(f"shape {token!r}: Hq={hq} is not a multiple of Hkv={hkv}")
-    return Shape(batch, hq, hkv, head_dim, seq_len, kv_dtype)
+    if not 1 <= variant["query_tokens"] <= 16 or variant["query_tokens"] > seq_len:
+        raise ValueError(f"shape {token!r}: t must be 1..16 query tokens and at most L")
+    return Shape(batch, hq, hkv, head_dim, seq_len, kv_dtype, **variant)
 
 
 def parse_shapes(tokens) -> list[Shape]:
@@ -165,9 +225,16 @@ QUICK_SHAPES = parse_shapes(["1:32:8:128:4k", "1:32:8:128:64k", "16:32:8:128:4k"
 SERVING_BYTES = 512 << 20
 
 
+#: The serving protocol's layers hold at most this many bytes of caches together (a window's
+#: layers read a fraction of theirs).
+SERVING_MAX_CACHE_BYTES = 24 << 30
+
+
 def serving_layers(shape: Shape, min_bytes: int = SERVING_BYTES) -> int:
-    """Layers of the serving protocol: the fewest whose K/V bytes together reach ``min_bytes``."""
-    return max(1, math.ceil(min_bytes / shape.kv_bytes))
+    """Layers of the serving protocol: the fewest whose K/V bytes read together reach ``min_bytes``
+    (bounded by `SERVING_MAX_CACHE_BYTES` of caches in memory)."""
+    wanted = max(1, math.ceil(min_bytes / shape.kv_bytes))
+    return max(1, min(wanted, SERVING_MAX_CACHE_BYTES // max(shape.cache_bytes, 1)))
 
 
 def shapes_part(shapes: list, part: str) -> list:

@@ -99,7 +99,7 @@ LOOP_ABLATIONS = {
 ABLATIONS = {
     "no length read (length = L)": _swap("const int loaded_len = __ldg(seq_lens + batch_idx);",
                                          "const int loaded_len = max_len;"),
-    "no Q loads": _swap("            if (r == nullptr) return 0u;\n", "            return 0x3f803f80u;\n"),
+    "no Q loads": _swap("            if (!q_row_valid(row)) return 0u;\n", "            return 0x3f803f80u;\n"),
     "no global merge tail": _swap("    if (!FUSED_MERGE) return;\n", "    return;\n"),
     **LOOP_ABLATIONS,
     "no cluster merge (each CTA exits)": _swap("        splitkv::cluster_wait();  // every member's inbox",

@@ -404,8 +404,9 @@ class KernelSpec:
     @property
     def combine_bytes(self) -> int:
         """The warps' states as the final combine lays them out (fp32): per warp a max and a sum per
-        row and its G x D accumulator, then the CTA's sum and log-sum-exp per row."""
-        return (self.warps * (self.cta_rows * self.head_dim + 2 * 16) + 3 * 16) * 4
+        row and its rows x D accumulator, then per row the CTA's sum, log-sum-exp, final denominator
+        and sink."""
+        return (self.warps * (self.cta_rows * self.head_dim + 2 * 16) + 4 * 16) * 4
 
     @property
     def static_smem_bytes(self) -> int:

@@ -13,7 +13,8 @@ struct ResultTarget {
     float* partial_o;
     float* partial_lse;
     int* counters;
-    const float* sinks;  // SINKS: [num_qo_heads]
+    const float* sinks;  // SINKS: [num_qo_heads] (warp_heads reads them there)
+    const float* row_sinks;  // SINKS: the CTA's rows' sinks, base 2 (WarpStates::row_sink2)
     int num_kv_heads, num_qo_heads, num_splits;
     int batch_idx, kv_head;  // (the warp and lane: see lane_id)
     int row_y;  // the CTA's row of the grid: K/V head x ROW_BLOCKS + row block
@@ -34,7 +35,7 @@ struct ResultTarget {
     }
     // The sink of the CTA's row r (base 2), -inf without sinks.
     __device__ __forceinline__ float sink2(int r) const {
-        if constexpr (SINKS) return splitkv::sink_log2(sinks, out_rows().head(row_y, r));
+        if constexpr (SINKS) return row_sinks[r];
         else return -INFINITY;
     }
 };

@@ -70,15 +70,18 @@ __device__ __forceinline__ void decode_program(
     // halves wait in q_high and are packed into qa by finish_q, after the first tiles are requested:
     // packed here, the pack's wait for the loads would hold back the tiles' requests.
     u32 q_high[QUANTIZED ? KSTEPS : 1][4];
-    // Row r of the CTA: query token t, query head h of the K/V head (row block_row0 + r = t GROUP + h),
-    // or null for a padding row.
+    // Row r of the CTA: query token t, query head h of the K/V head (row block_row0 + r = t GROUP + h);
+    // rows past the head's are padding (Q of zeros). Validity and address apart: a null pointer as
+    // the mark would cost a 64-bit compare per load.
     const q_t* const q_head = q + ((size_t)batch_idx * QUERY_TOKENS * num_qo_heads + (size_t)kv_head * GROUP) * HEAD_DIM;
+    auto q_row_valid = [&](int r) {
+        return r < ROWS && (QUERY_TOKENS == 1 && ROW_BLOCKS == 1 || block_row0 + r < GROUP * QUERY_TOKENS);
+    };
     auto q_row = [&](int r) -> const q_t* {
         if constexpr (QUERY_TOKENS == 1 && ROW_BLOCKS == 1) {
-            return r < ROWS ? q_head + (size_t)r * HEAD_DIM : nullptr;
+            return q_head + (size_t)r * HEAD_DIM;
         } else {
             const int row = block_row0 + r;
-            if (r >= ROWS || row >= GROUP * QUERY_TOKENS) return nullptr;
             return q_head + ((size_t)(row / GROUP) * num_qo_heads + row % GROUP) * HEAD_DIM;
         }
     };
@@ -88,8 +91,8 @@ __device__ __forceinline__ void decode_program(
         // in ``high``).
         auto q_pair = [&](int row, int ks, int slot, u32& high) -> u32 {
             high = 0u;
+            if (!q_row_valid(row)) return 0u;
             const q_t* r = q_row(row);
-            if (r == nullptr) return 0u;
             if constexpr (!QUANTIZED) return *reinterpret_cast<const u32*>(r + ks * 16 + slot);
             const unsigned short* bits = reinterpret_cast<const unsigned short*>(r);
             high = bits[k_slot_dim(ks, slot + 1)];
@@ -105,6 +108,14 @@ __device__ __forceinline__ void decode_program(
         }
     };
     load_q();
+    // Attention sinks: each row's sink requested now and used at the end (a load at the end puts
+    // its latency on the epilogue's path); held raw, so that nothing waits for it here. Where the
+    // registers are tight (16 rows at head_dim 256: see WAIT_V_LATER) it is loaded at the end.
+    auto load_sink = [&]() { return __ldg(sinks + kv_head * GROUP + (block_row0 + (int)threadIdx.x) % GROUP); };
+    [[maybe_unused]] float sink_raw = 0.f;
+    if constexpr (SINKS && !WARP_HEADS && WAIT_V_LATER) {
+        if (threadIdx.x < ROWS) sink_raw = load_sink();
+    }
 
     // ---- this warp's tiles: w, w + WARPS, w + 2 WARPS, ... of the CTA's token range (every tile
     // of its own row with warp_heads) ---------------------------------------------------------------
@@ -238,9 +249,13 @@ __device__ __forceinline__ void decode_program(
     // ---- combine the warps' states: shared memory is free now that the rings are drained -----
     softmax.sum_lanes();
     __syncthreads();
-    softmax.store(WarpStates{reinterpret_cast<float*>(smem)}, warp, o_factor);
+    const WarpStates states{reinterpret_cast<float*>(smem)};
+    softmax.store(states, warp, o_factor);
+    if constexpr (SINKS && !WARP_HEADS) {
+        if (threadIdx.x < ROWS) states.row_sink2()[threadIdx.x] = (WAIT_V_LATER ? sink_raw : load_sink()) * 1.4426950408889634f;
+    }
     __syncthreads();
-    write_result(ResultTarget{out, lse, partial_o, partial_lse, counters, sinks, num_kv_heads, num_qo_heads, num_splits,
+    write_result(ResultTarget{out, lse, partial_o, partial_lse, counters, sinks, states.row_sink2(), num_kv_heads, num_qo_heads, num_splits,
                               batch_idx, kv_head, row_y, end > 0},
                  smem, inbox_full, split, splits_used, partial_slot);
 }

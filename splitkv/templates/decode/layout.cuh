@@ -150,7 +150,7 @@ __device__ __forceinline__ constexpr int o_dim(int m, int x, int chunks_per_m) {
 // The warps' states in the layout the final combine reads (fp32), from one base address: per warp
 // a max (which the combine turns into the weight 2^(m_w - m)) and a sum per row, the CTA's sum,
 // base-2 log-sum-exp and final denominator (the sum, plus the sink's weight with SINKS) per row,
-// then per warp its ROWS x HEAD_DIM accumulator.
+// the rows' sinks (base 2), then per warp its ROWS x HEAD_DIM accumulator.
 struct WarpStates {
     float* base;
     __device__ float* m() const { return base; }                       // [WARPS][16]
@@ -158,7 +158,8 @@ struct WarpStates {
     __device__ float* row_l() const { return base + 2 * WARPS * 16; }  // [16]
     __device__ float* row_lse2() const { return row_l() + 16; }        // [16]
     __device__ float* row_den() const { return row_l() + 2 * 16; }     // [16]
-    __device__ float* o() const { return row_l() + 3 * 16; }           // [WARPS][ROWS][HEAD_DIM]
+    __device__ float* row_sink2() const { return row_l() + 3 * 16; }   // [16] SINKS: base 2
+    __device__ float* o() const { return row_l() + 4 * 16; }           // [WARPS][ROWS][HEAD_DIM]
 };
 
 // Tiles of [begin, end) that the row's w-th warp streams: w, w + ROW_WARPS, w + 2 ROW_WARPS, ...

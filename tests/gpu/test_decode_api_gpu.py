@@ -352,15 +352,17 @@ def test_run_waits_for_the_stream_an_interface_names():
     k, k64 = random_values((2, 3000, 2, 128), "bf16", fresh_seed(73))
     v, v64 = random_values((2, 3000, 2, 128), "bf16", fresh_seed(74))
     producer, runner = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    # Planned (and its programs compiled) before the busy kernel starts: a compile under a loaded
+    # host may outlast the kernel, and then nothing is tested.
+    attn = DecodeAttention(8, 2, 128)
+    lens = [3000, 777]
+    attn.plan(lens, stream=runner)
     cupy.cuda.Device().synchronize()
     _busy(producer)
     with producer:
         q_old[...] = q_new  # lands after the busy kernel
     shared = InterfaceOnly(q_old)
     shared.__cuda_array_interface__ = {**q_old.__cuda_array_interface__, "stream": producer.ptr}
-    attn = DecodeAttention(8, 2, 128)
-    lens = [3000, 777]
-    attn.plan(lens, stream=runner)
     out = poisoned((2, 8, 128), "bf16")
     attn.run(shared, k, v, out=out, stream=runner)
     assert not producer.done, "the busy kernel ended before the run was queued: nothing was tested"

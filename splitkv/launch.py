@@ -97,7 +97,7 @@ class Launch:
             raise ValueError(f"q: planned for {self.attention.query_tokens} query token(s) per sequence "
                              f"(plan(query_tokens=...)), got q of {shapes.query_tokens}")
         if self.table is None and shapes.max_len < self.max_len:
-            raise ValueError(f"k: holds {shapes.max_len} tokens (k.shape[1]) but the plan has a sequence of "
+            raise ValueError(f"k: holds {shapes.max_len} tokens per sequence but the plan has a sequence of "
                              f"{self.max_len}")
         if self.table is not None:
             if shapes.page_size != heads.page_size:
@@ -113,26 +113,29 @@ class Launch:
         return dataclasses.replace(self, decode_fn=function)
 
     def enqueue(self, args: Arguments, stream: int, pointers: tuple, quantized: tuple, kv_shape: tuple,
-                tensor_maps, sinks: int = 0) -> None:
+                tensor_maps, sinks: int = 0, kv_stride: int = 0) -> None:
         """Writes the run's fields into ``args`` (the calling thread's structs; bound to this launch
         first if they were not) and enqueues the programs on ``stream``. ``pointers``: the
         addresses of q, k, v, out, lse (0: none); ``quantized``: the quantized-cache fields `read_arrays` gives; ``kv_shape``:
         k's shape (a quantized cache's values'); ``tensor_maps``: the instance's `TensorMapCache`;
-        ``sinks``: the address of the sinks' array (0: none)."""
+        ``sinks``: the address of the sinks' array (0: none); ``kv_stride``: a contiguous cache's
+        tokens per sequence (NHD) or K/V head (HND) in memory (0: its extent, ``kv_shape``'s)."""
         if args.bound is not self:
             args.bind(self)
         table = self.table
         # Tokens per sequence the cache holds: a contiguous cache's rows, or a table row's pages.
-        cache_len = table.stride * self.heads.page_size if table else kv_shape[1]
+        hnd = self.heads.kv_layout == "HND"
+        cache_len = table.stride * self.heads.page_size if table else kv_shape[2 if hnd else 1]
+        kv_stride = kv_stride or cache_len
         num_pages = kv_shape[0] if table else 0
         words, ints = args.decode_words, args.decode_ints
         (words[_Q], words[_K], words[_V], words[_OUT], words[_LSE]) = pointers
         (words[_K_SCALE], words[_V_SCALE], words[_K_BLOCKS], words[_V_BLOCKS],
          ints[_K_PER_HEAD], ints[_V_PER_HEAD]) = quantized
-        ints[_MAX_LEN], ints[_NUM_PAGES] = cache_len, num_pages
+        ints[_MAX_LEN], ints[_NUM_PAGES], ints[_KV_STRIDE] = cache_len, num_pages, kv_stride
         words[_SINKS] = sinks
         if args.map_view is not None:
-            maps = (pointers[1], pointers[2], cache_len, num_pages)
+            maps = (pointers[1], pointers[2], cache_len, num_pages, kv_stride)
             if maps != args.maps_written:  # the same caches as the last run: the struct holds their maps
                 self._write_maps(args, *maps, tensor_maps)
                 args.maps_written = maps
@@ -143,14 +146,16 @@ class Launch:
             launch_kernel(args.merge_call, stream, args.merge_argument)
 
     def _write_maps(self, args: Arguments, k_ptr: int, v_ptr: int, cache_len: int, num_pages: int,
-                    tensor_maps) -> None:
+                    kv_stride: int, tensor_maps) -> None:
         """The K and V tensor maps of this run's caches, into the decode struct's first 256 bytes.
-        The maps' rows: a contiguous cache's tokens ([batch x cache_len][num_kv_heads x head_dim]),
-        a paged one's ([num_pages x page_size][num_kv_heads x head_dim], HND: [num_pages x
-        num_kv_heads x page_size][head_dim])."""
+        The maps' rows: a contiguous cache's tokens ([batch x kv_stride][num_kv_heads x head_dim],
+        HND: [batch x num_kv_heads x kv_stride][head_dim], up to the last sequence's or head's
+        cache_len-th token: a view's tail is not the cache's), a paged one's ([num_pages x
+        page_size][num_kv_heads x head_dim], HND: [num_pages x num_kv_heads x page_size][head_dim])."""
         row_elems, cols, elem_bytes, box_rows, box_bytes = args.map_view
         heads = self.heads
-        rows = self.batch * cache_len
+        runs = self.batch * (heads.num_kv_heads if heads.kv_layout == "HND" else 1)  # rows of kv_stride tokens
+        rows = (runs - 1) * kv_stride + cache_len if runs and cache_len else 0
         if self.table is not None:
             rows = num_pages * heads.page_size * (heads.num_kv_heads if heads.kv_layout == "HND" else 1)
         if rows == 0:  # an empty cache (every length is 0): maps of the plan's stand-in tile
@@ -216,8 +221,7 @@ class Arguments:
         self.map_view = self.maps_written = None
         if spec.kv_copy == "tma":
             row_elems = spec.kv_row_bytes // spec.kv_elem_bytes  # a head's row (NVFP4: in bytes)
-            hnd = table is not None and heads.kv_layout == "HND"
-            cols = row_elems if hnd else heads.num_kv_heads * row_elems
+            cols = row_elems if heads.kv_layout == "HND" else heads.num_kv_heads * row_elems
             self.map_view = (row_elems, cols, spec.kv_elem_bytes, spec.tma_box_rows, spec.tma_box_bytes)
         self.merge_call = None
         if launch.merge_fn is not None:
@@ -272,7 +276,7 @@ _K_SCALE, _V_SCALE, _K_BLOCKS, _V_BLOCKS = (_word(DECODE, f) for f in
                                             ("k_scale", "v_scale", "k_block_scales", "v_block_scales"))
 _SEQ_LENS, _PARTIAL_O, _PARTIAL_LSE, _COUNTERS, _BLOCK_TABLE, _UNITS, _SINKS = (
     _word(DECODE, f) for f in ("seq_lens", "partial_o", "partial_lse", "counters", "block_table", "units", "sinks"))
-_WINDOW_LEFT, _SOFT_CAP_LOG2 = (_int(DECODE, f) for f in ("window_left", "soft_cap_log2"))
+_WINDOW_LEFT, _SOFT_CAP_LOG2, _KV_STRIDE = (_int(DECODE, f) for f in ("window_left", "soft_cap_log2", "kv_stride"))
 _K_PER_HEAD, _V_PER_HEAD, _MAX_LEN, _NUM_PAGES = (_int(DECODE, f) for f in
                                                   ("k_per_head", "v_per_head", "max_len", "num_pages"))
 _NUM_KV_HEADS, _TOKENS_PER_SPLIT, _TABLE_STRIDE, _SCALE_LOG2 = (
@@ -312,9 +316,9 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple, tuple]:
     block scales (addresses), then whether each scale has one value per K/V head (zeros for 16-bit
     K/V); and k's shape (a quantized cache's values'). This runs on every run().
 
-    A torch entry holds whether the tensor is contiguous rather than its strides (a call that costs
-    a third as much): validation takes only contiguous arrays, by torch's own rule (extents of 1
-    and empty arrays aside), so arrays of equal entries pass or fail it alike."""
+    A torch entry holds True for a contiguous tensor rather than its strides (a call that costs a
+    third as much), and a non-contiguous one's strides (a cache view's token stride is read by the
+    programs), so arrays of equal entries pass or fail validation alike and launch alike."""
     cls = type(q)
     if type(out) is cls and (lse is None or type(lse) is cls):
         kind = _kinds.get(cls)
@@ -335,7 +339,7 @@ def read_arrays(q, k, v, out, lse) -> tuple[tuple | None, tuple, tuple, tuple]:
             kind = _kind(type(x))
         if kind == _TORCH:
             ptr = x.data_ptr()
-            layout.append((x.shape, x.is_contiguous(), x.dtype, x.get_device(), ptr & _ALIGN_MASK))
+            layout.append((x.shape, x.is_contiguous() or x.stride(), x.dtype, x.get_device(), ptr & _ALIGN_MASK))
         elif kind == _NONE:
             ptr = 0
             layout.append(())
@@ -367,9 +371,11 @@ def _read_torch(q, k, v, out, lse) -> tuple:
     q_ptr, k_ptr, v_ptr, out_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     lse_ptr = 0 if lse is None else lse.data_ptr()
     k_shape = k.shape
+    # A cache view of a longer cache is not contiguous: its strides join its entry (which the
+    # programs read: the view's token stride).
     layout = ((q.shape, q.is_contiguous(), q.dtype, q.get_device(), q_ptr & _ALIGN_MASK),
-              (k_shape, k.is_contiguous(), k.dtype, k.get_device(), k_ptr & _ALIGN_MASK),
-              (v.shape, v.is_contiguous(), v.dtype, v.get_device(), v_ptr & _ALIGN_MASK),
+              (k_shape, k.is_contiguous() or k.stride(), k.dtype, k.get_device(), k_ptr & _ALIGN_MASK),
+              (v.shape, v.is_contiguous() or v.stride(), v.dtype, v.get_device(), v_ptr & _ALIGN_MASK),
               (out.shape, out.is_contiguous(), out.dtype, out.get_device(), out_ptr & _ALIGN_MASK),
               () if lse is None else (lse.shape, lse.is_contiguous(), lse.dtype, lse.get_device(), lse_ptr & _ALIGN_MASK))
     return layout, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr), _NO_QUANTIZED, k_shape
@@ -401,7 +407,7 @@ def _read_quantized(q, k, v, out, lse, cls, part) -> tuple | None:
 def _torch_part(x) -> tuple:
     """(layout entry, device address) of one torch tensor."""
     ptr = x.data_ptr()
-    return (x.shape, x.is_contiguous(), x.dtype, x.get_device(), ptr & _ALIGN_MASK), ptr
+    return (x.shape, x.is_contiguous() or x.stride(), x.dtype, x.get_device(), ptr & _ALIGN_MASK), ptr
 
 
 def _cupy_part(x) -> tuple:

@@ -29,7 +29,8 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
            sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float = 0.0, sinks=None,
            out=None, return_lse: bool = False, stream=None):
     """Decode attention of ``q`` [B, Hq, D] (or [B, T, Hq, D]: T query tokens per sequence, causal
-    among them) over ``k``, ``v`` [B, L_max, Hkv, D].
+    among them) over ``k``, ``v`` [B, L_max, Hkv, D] (``kv_layout`` 'HND': [B, Hkv, L_max, D], as
+    transformers' caches hold them; either may be a view of a longer cache, read in place).
 
     ``seq_lens``: per-sequence lengths (host ints or a device int32 array; None = all L_max).
     Paged caches: ``k``, ``v`` ``[num_pages, page_size, Hkv, D]`` (``kv_layout`` 'NHD') or
@@ -45,12 +46,9 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
         raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
     return_lse = tensors.check_flag(return_lse, "return_lse")
     paging = block_table is not None
-    if kv_layout != "NHD" and not paging:  # a contiguous cache is [B, L, Hkv, D]: NHD only
-        raise ValueError(f"kv_layout: {kv_layout!r} is a page layout and needs a block_table; a contiguous "
-                         f"cache [B, L_max, Hkv, D] is read as 'NHD'")
     cache_layout = kv_layout if paging else None
     read = read_arrays(q, k, v, out, None)  # run() takes it too: the arrays are read once per call
-    shapes, device, qi = _describe(q, k, v, cache_layout, read[0])
+    shapes, device, qi = _describe(q, k, v, cache_layout, read[0], kv_layout)
     if paging and seq_lens is None:
         raise ValueError("seq_lens: a paged cache needs the lengths (its pages do not say them)")
     sm_scale = tensors.check_sm_scale(sm_scale)
@@ -70,7 +68,7 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
                 seq_lens = tensors.read_back_lengths(seq_lens, shapes.batch, qi.device, "q is on")
         seq_lens = tensors.check_seq_lens(seq_lens, shapes.batch, None if paging else shapes.max_len)
         if shapes.batch == 0:  # nothing to attend: the empty results, checked like any others
-            return _empty_results(q, k, v, out, return_lse, cache_layout)
+            return _empty_results(q, k, v, out, return_lse, cache_layout, kv_layout)
         # One instance (so one workspace) per device and stream: kernels that may overlap on the
         # GPU never share partials, counters or lengths; calls on one stream run in order, and
         # the lock keeps each call's plan and run together on the host.
@@ -78,7 +76,7 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
         thread = threading.get_ident() if launch_stream == streams.PER_THREAD_DEFAULT else None
         page_size = shapes.page_size if paging else None
         key = (device, launch_stream, thread, shapes.num_qo_heads, shapes.num_kv_heads, shapes.head_dim,
-               shapes.q_dtype, shapes.kv_dtype, sm_scale, page_size, kv_layout if paging else "NHD")
+               shapes.q_dtype, shapes.kv_dtype, sm_scale, page_size, kv_layout)
         with _instances_lock:
             attn = _instances.get(key)
             if attn is None:
@@ -99,18 +97,19 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
             return attn.run(q, k, v, out=out, return_lse=return_lse, sinks=sinks, stream=launch_stream)
 
 
-def _describe(q, k, v, cache_layout: str | None, layout: tuple | None) -> tuple:
+def _describe(q, k, v, cache_layout: str | None, layout: tuple | None, kv_layout: str = "NHD") -> tuple:
     """(DecodeShapes, device, q's TensorInfo) of the inputs, checked together; kept per layout of
     CuPy and torch inputs (arrays known only by an interface are described on every call).
-    ``layout``: `read_arrays`' of (q, k, v, out, None), or None where one is of another kind."""
+    ``layout``: `read_arrays`' of (q, k, v, out, None), or None where one is of another kind;
+    ``cache_layout``: a paged cache's layout (None: contiguous caches of ``kv_layout``)."""
     if layout is None:  # out may be the one of another kind
         layout = read_arrays(q, k, v, None, None)[0]
-    key = None if layout is None else (layout[:3], cache_layout)
+    key = None if layout is None else (layout[:3], cache_layout, kv_layout)
     held = _described.get(key) if key is not None else None
     if held is not None:
         return held
     qi, ki, vi = _infos(q, k, v, cache_layout)
-    shapes = tensors.check_decode_inputs(qi, ki, vi, kv_layout=cache_layout)
+    shapes = tensors.check_decode_inputs(qi, ki, vi, kv_layout=cache_layout, contiguous_layout=kv_layout)
     held = (shapes, qi.device if qi.device is not None else gpu.current_device(), qi)
     if key is not None:
         with _instances_lock:
@@ -126,11 +125,11 @@ def _infos(q, k, v, cache_layout: str | None) -> tuple:
             tensors.describe_kv(v, "v", cache_layout or "NHD"))
 
 
-def _empty_results(q, k, v, out, return_lse, cache_layout):
+def _empty_results(q, k, v, out, return_lse, cache_layout, kv_layout="NHD"):
     """decode() of an empty batch: out (given or new) and lse of batch 0, validated as usual."""
     if out is None:
         out = arrays.new_output(q)
     qi, ki, vi = _infos(q, k, v, cache_layout)
     tensors.check_decode_inputs(qi, ki, vi, out=tensors.describe(out, "out", bf16_from_uint16=True),
-                                kv_layout=cache_layout)
+                                kv_layout=cache_layout, contiguous_layout=kv_layout)
     return (out, arrays.new_output(q, lse=True)) if return_lse else out

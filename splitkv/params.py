@@ -66,7 +66,7 @@ DECODE = StructLayout((
     ("k_map", "splitkv::TensorMap", "map"),   # tma: k as [batch x max_len][num_kv_heads x HEAD_DIM]
     ("v_map", "splitkv::TensorMap", "map"),
     ("q", "const q_t*", "ptr"),               # [batch][query_tokens][num_qo_heads][HEAD_DIM]
-    ("k", "const unsigned char*", "ptr"),     # [batch][max_len][num_kv_heads][ROW_BYTES] (or pages)
+    ("k", "const unsigned char*", "ptr"),     # [batch][kv_stride][num_kv_heads][ROW_BYTES], HND [batch][heads][kv_stride][..] (or pages)
     ("v", "const unsigned char*", "ptr"),
     ("seq_lens", "const int*", "ptr"),        # [batch]
     ("out", "out_t*", "ptr"),                 # [batch][query_tokens][num_qo_heads][HEAD_DIM]
@@ -91,6 +91,7 @@ DECODE = StructLayout((
     ("num_pages", "int", "int"),
     ("window_left", "int", "int"),            # window: tokens before a query's own that it sees
     ("soft_cap_log2", "float", "float"),      # soft_cap: the cap in base-2 units (cap x log2 e)
+    ("kv_stride", "int", "int"),              # contiguous: tokens per sequence (NHD) or head (HND) in memory
 ))
 
 #: The merge program's Params: the split plans' fields, then the units plans' (each program reads its own).

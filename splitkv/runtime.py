@@ -81,9 +81,11 @@ class DecodeAttention:
     table's). Whether a batch is routed to units is decided under the priors, which the routing
     factor was measured with.
 
-    ``page_size`` (None: contiguous caches ``[B, L, Hkv, D]``): run() reads paged caches of pages of
-    that many tokens, ``kv_layout`` 'NHD' ``[num_pages, page_size, Hkv, D]`` or 'HND'
-    ``[num_pages, Hkv, page_size, D]``, through the ``block_table`` given to plan().
+    ``page_size`` (None: contiguous caches, ``kv_layout`` 'NHD' ``[B, L, Hkv, D]`` or 'HND' ``[B, Hkv,
+    L, D]``, as transformers' caches hold them; either may be a view ``cache[:, :L]`` / ``cache[:, :,
+    :L]`` of a longer cache, read in place): run() reads paged caches of pages of that many tokens,
+    ``kv_layout`` 'NHD' ``[num_pages, page_size, Hkv, D]`` or 'HND' ``[num_pages, Hkv, page_size,
+    D]``, through the ``block_table`` given to plan().
 
     The workspace comes from CuPy's memory pool on the stream of the plan() that sized it. When
     run() is called on other streams, keep the instance alive until those runs are done (or
@@ -112,8 +114,11 @@ class DecodeAttention:
         if page_size is not None and (isinstance(page_size, bool) or page_size not in PAGE_SIZES):
             raise ValueError(f"page_size: expected None (contiguous caches) or a power of two from 1 to "
                              f"{PAGE_SIZES[-1]}, got {page_size!r}")
-        if kv_layout not in KV_LAYOUTS or (page_size is None and kv_layout != "NHD"):
-            raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)} ('HND' with a page_size), got {kv_layout!r}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
+        if page_size is None and kv_layout == "HND" and kv_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"kv_layout: contiguous 'HND' caches [B, Hkv, L, D] hold bf16 or fp16 K/V; {kv_dtype!r} "
+                             f"caches are 'NHD' [B, L, Hkv, ...] or paged")
         self.page_size, self.kv_layout = int(page_size or 0), kv_layout
         paging = dict(page_size=self.page_size, kv_layout=kv_layout)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
@@ -568,7 +573,7 @@ class DecodeAttention:
             # Arrays known only by their interface are validated on every call, and their
             # producers' streams (the interface's 'stream') waited for.
             producers, shapes, extents = tensors.check_run_inputs(
-                (q, k, v, out, lse), self.device, self.kv_layout if self.page_size else None)
+                (q, k, v, out, lse), self.device, self.kv_layout if self.page_size else None, self.kv_layout)
             launch.check_inputs(shapes)
             for producer in producers:
                 streams.wait_for_producer(producer, stream, self._producer_events)
@@ -581,7 +586,7 @@ class DecodeAttention:
         if args is None:
             args = self._arguments[threading.get_ident()] = Arguments()
         capturing = self._order.enter(stream)
-        launch.enqueue(args, stream, pointers, quantized, k_shape, self._tensor_maps, sinks_ptr)
+        launch.enqueue(args, stream, pointers, quantized, k_shape, self._tensor_maps, sinks_ptr, shapes.kv_stride)
         self._order.leave(stream, capturing)
 
     def _sinks_pointer(self, launch: Launch, sinks) -> int:

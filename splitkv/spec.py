@@ -174,7 +174,8 @@ class KernelSpec:
     CTA serves ``warps`` consecutive K/V heads of one sequence and its warps have nothing to
     combine. The planner takes it per plan (``plan.wants_packed_heads``, ``plan.pack_heads``);
     ``DecodeAttention.plan(warp_heads=...)`` overrides.
-    ``page_size`` (0: contiguous caches ``[batch, max_len, Hkv, D]``): K/V live in pages of that
+    ``page_size`` (0: contiguous caches ``[batch, max_len, Hkv, D]``, or with ``kv_layout`` HND
+    ``[batch, Hkv, max_len, D]``, each possibly a view of a longer cache): K/V live in pages of that
     many tokens, ``kv_layout`` NHD ``[num_pages, page_size, Hkv, D]`` or HND ``[num_pages, Hkv,
     page_size, D]``, found through a block table (see `splitkv.paged`).
     """
@@ -276,8 +277,9 @@ class KernelSpec:
                              f"got {self.page_size!r}")
         _check_choice("kv_layout", self.kv_layout, KV_LAYOUTS)
         if not self.page_size:
-            if self.kv_layout != "NHD":
-                raise ValueError("kv_layout: contiguous caches are [batch, max_len, Hkv, D]; 'HND' needs a page_size")
+            if self.kv_layout == "HND" and self.kv_dtype in QUANTIZED_KV_DTYPES:
+                raise ValueError(f"kv_layout: contiguous 'HND' caches [batch, Hkv, max_len, D] hold 16-bit K/V; "
+                                 f"{self.kv_dtype} caches are [batch, max_len, Hkv, ...] (NHD) or paged")
             return
         if self.kv_copy == "tma" and self.page_size < TMA_SWIZZLE_ROWS:
             raise ValueError(f"kv_copy: 'tma' boxes of a paged cache hold whole pages of at least "
@@ -427,7 +429,8 @@ class KernelSpec:
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-tma' appended when
         K/V arrive through tensor maps, '-mt' when tokens fill the MMA rows, '-wh' when each warp serves
-        its own K/V head, '-p16' for pages of 16 tokens, '-p16hnd' in the HND layout; the variants:
+        its own K/V head, '-p16' for pages of 16 tokens, '-p16hnd' in the HND layout, '-hnd' for contiguous
+        HND caches [B, Hkv, L, D]; the variants:
         '-q4' for 4 query tokens, '-win' a sliding window, '-cap' a soft-cap, '-sink' attention sinks)."""
         merge = ""
         if self.variant == "split":
@@ -437,7 +440,8 @@ class KernelSpec:
                 + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}")
                 + ("-mt" if self.mma_m == "tokens" else "")
                 + ("-wh" if self.warp_heads else "")
-                + (f"-p{self.page_size}" + ("hnd" if self.kv_layout == "HND" else "") if self.paged else "")
+                + (f"-p{self.page_size}" if self.paged else "") + ("hnd" if self.kv_layout == "HND" and self.paged else "")
+                + ("-hnd" if self.kv_layout == "HND" and not self.paged else "")
                 + (f"-q{self.query_tokens}" if self.query_tokens > 1 else "")
                 + ("-win" if self.window else "") + ("-cap" if self.soft_cap else "") + ("-sink" if self.sinks else ""))
 

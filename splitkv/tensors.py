@@ -36,6 +36,7 @@ class DecodeShapes:
     num_pages: int = 0  # paged caches: pages of page_size tokens (max_len is then 0: the table says)
     page_size: int = 0
     query_tokens: int = 1  # q [B, T, Hq, D]: T query tokens per sequence (q [B, Hq, D]: 1)
+    kv_stride: int = 0  # contiguous caches: tokens per sequence (NHD) or per K/V head (HND) in memory
 
 
 #: The dimensions of a paged cache per layout, for messages.
@@ -119,12 +120,14 @@ def describe_scale(x: Any, name: str, num_kv_heads: int) -> TensorInfo:
 
 def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
                         out: TensorInfo | None = None, lse: TensorInfo | None = None,
-                        kv_layout: str | None = None) -> DecodeShapes:
+                        kv_layout: str | None = None, contiguous_layout: str = "NHD") -> DecodeShapes:
     """Validate contiguous q [B, Hq, D] or [B, T, Hq, D] (T query tokens per sequence, up to
     `spec.MAX_QUERY_TOKENS`), k and v [B, L_max, Hkv, D], out of q's shape, lse of q's shape
     without its last axis.
     With ``kv_layout`` ('NHD' or 'HND'), k and v are paged caches of that layout (see
-    `splitkv.paged`), of any number of pages.
+    `splitkv.paged`), of any number of pages. Without it, ``contiguous_layout`` 'HND' reads k and v
+    as [B, Hkv, L_max, D]; a contiguous cache of either layout may be a view of a longer one
+    (``cache[:, :L]``, ``cache[:, :, :L]``: rows of D contiguous, `cache_token_stride`).
 
     Raises TypeError for a wrong element type or argument kind and ValueError for a wrong rank,
     shape, stride, alignment, head_dim, group size or device; every message names the argument.
@@ -135,7 +138,7 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
 
     if q.ndim != 4:
         _check_rank(q, "q", 3, "[batch, num_qo_heads, head_dim] (or [batch, query_tokens, num_qo_heads, head_dim])")
-    _check_rank(k, "k", 4, PAGED_SHAPES[kv_layout] if kv_layout else "[batch, max_len, num_kv_heads, head_dim]")
+    _check_rank(k, "k", 4, PAGED_SHAPES[kv_layout] if kv_layout else CONTIGUOUS_SHAPES[contiguous_layout])
     _check_dtype(q, "q", spec.Q_DTYPES)
     _check_dtype(k, "k", spec.KV_DTYPES)
     if q.ndim == 4:
@@ -151,6 +154,8 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
 
         num_pages, page_size, num_kv_heads, _ = cache_geometry(k.shape, kv_layout)
         max_len = 0
+    elif contiguous_layout == "HND":
+        _, num_kv_heads, max_len, _ = k.shape
     else:
         _, max_len, num_kv_heads, _ = k.shape
 
@@ -161,9 +166,15 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
     group_size = _group_size(num_qo_heads, num_kv_heads)
     _check_v(v, k)
 
+    kv_stride = 0
     for name, info in (("q", q), ("k", k), ("v", v)):
-        check_contiguous_aligned(info, name)
+        if name == "q" or kv_layout:
+            check_contiguous_aligned(info, name)
+        else:
+            kv_stride = cache_token_stride(info, name, contiguous_layout)
         _check_same_device(info, name, q)
+    if not kv_layout and v.strides != k.strides:
+        raise ValueError(f"v: expected the strides of k {k.strides} (in elements), got {v.strides}")
     if out is not None:
         _check_out(out, q)
     if lse is not None:
@@ -171,7 +182,54 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
     return DecodeShapes(batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, max_len=max_len, group_size=group_size,
                         q_dtype=q.dtype, kv_dtype=k.dtype, num_pages=num_pages, page_size=page_size,
-                        query_tokens=query_tokens)
+                        query_tokens=query_tokens, kv_stride=kv_stride)
+
+
+#: The dimensions of a contiguous cache per layout, for messages.
+CONTIGUOUS_SHAPES = {"NHD": "[batch, max_len, num_kv_heads, head_dim]",
+                     "HND": "[batch, num_kv_heads, max_len, head_dim]"}
+
+
+def cache_token_stride(info: TensorInfo, name: str, layout: str) -> int:
+    """A contiguous cache's tokens per sequence (NHD ``[B, S, Hkv, D][:, :L]``) or per K/V head (HND
+    ``[B, Hkv, S, D][:, :, :L]``) in memory, S >= L: a whole cache (S = L) or a view of a
+    preallocated longer one, read in place. Its rows of D elements are contiguous, a token's K/V
+    heads (NHD) or a head's tokens (HND) a row apart, and it starts 16-byte aligned. ValueError
+    naming ``name`` otherwise. (Strides of extent-1 dimensions say nothing, and are not checked.)"""
+    batch, outer, inner, head_dim = info.shape
+    s_batch, s_outer, s_inner, s_elem = info.strides
+    length, heads = (inner, outer) if layout == "HND" else (outer, inner)
+    expected = ("[B, Hkv, S, D][:, :, :L] with S >= L" if layout == "HND" else "[B, S, Hkv, D][:, :L] with S >= L")
+    ok = head_dim <= 1 or s_elem == 1
+    if layout == "HND":
+        ok = ok and (length <= 1 or s_inner == head_dim)
+        per_head = s_outer if heads > 1 else (s_batch if batch > 1 else max(length, 1) * head_dim)
+        ok = ok and per_head % head_dim == 0 and per_head // head_dim >= length
+        ok = ok and (batch <= 1 or heads <= 1 or s_batch == heads * s_outer)
+        stride = per_head // head_dim if head_dim else length
+    else:
+        row = heads * head_dim
+        ok = ok and (heads <= 1 or s_inner == head_dim) and (length <= 1 or s_outer == row)
+        per_seq = s_batch if batch > 1 else max(length, 1) * row
+        ok = ok and row > 0 and per_seq % row == 0 and per_seq // row >= length
+        stride = per_seq // row if row else length
+    if not ok:
+        raise ValueError(f"{name}: expected a contiguous cache or a view {expected} (rows of head_dim contiguous), "
+                         f"got shape {info.shape} and strides {info.strides} (in elements)")
+    check_aligned(info, name, 16, "16 bytes (the kernels use 16-byte loads)")
+    rows = batch * stride * (heads if layout == "HND" else 1)  # the tensor maps' rows, indexed in int32
+    if rows > _INT32_MAX:
+        raise ValueError(f"{name}: a cache of {rows} token rows exceeds the {_INT32_MAX} the programs index")
+    return int(stride)
+
+
+def cache_span_bytes(info: TensorInfo) -> int:
+    """Bytes from a cache view's first element to one past its last (its extent, with the gaps of a
+    view of a longer cache): what out and lse must not overlap."""
+    if any(n == 0 for n in info.shape):
+        return 0
+    last = sum((n - 1) * s for n, s in zip(info.shape, info.strides))
+    return (last + 1) * info.itemsize
 
 
 def _check_rank(info: TensorInfo, name: str, rank: int, layout: str) -> None:
@@ -393,9 +451,11 @@ def check_sm_scale(sm_scale: Any) -> float | None:
     return value
 
 
-def check_run_inputs(arrays: tuple, device: int, kv_layout: str | None) -> tuple[list, DecodeShapes, tuple]:
+def check_run_inputs(arrays: tuple, device: int, kv_layout: str | None,
+                     contiguous_layout: str = "NHD") -> tuple[list, DecodeShapes, tuple]:
     """Checks `DecodeAttention.run`'s (q, k, v, out, lse) against each other and the instance's
-    ``device`` (``kv_layout``: a paged cache's layout, None for a contiguous one); returns the
+    ``device`` (``kv_layout``: a paged cache's layout, None for a contiguous one of
+    ``contiguous_layout``); returns the
     streams their producers named (interface 'stream'), their shapes, and the bytes each array
     spans (a quantized cache: its values; None: 0)."""
     q, k, v, out, lse = arrays
@@ -405,7 +465,7 @@ def check_run_inputs(arrays: tuple, device: int, kv_layout: str | None) -> tuple
     def describe_one(x, name):
         if name not in ("k", "v") or not isinstance(x, QuantizedKV):
             info = describe(x, name, bf16_from_uint16=True)
-            extents.append(info.nbytes)
+            extents.append(cache_span_bytes(info) if name in ("k", "v") and info.ndim == 4 else info.nbytes)
             return info
         parts = describe_quantized(x, name, kv_layout or "NHD")
         scale_infos.extend([(f"{name}.block_scales", parts.block_scales), (f"{name}.scale", parts.scale)])
@@ -419,6 +479,7 @@ def check_run_inputs(arrays: tuple, device: int, kv_layout: str | None) -> tuple
     for name, info in named:
         if info is not None:
             check_device(name, info, device, "this DecodeAttention runs on")
-    shapes = check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info, kv_layout=kv_layout)
+    shapes = check_decode_inputs(*infos[:3], out=infos[3], lse=lse_info, kv_layout=kv_layout,
+                                 contiguous_layout=contiguous_layout)
     producers = [info.stream for _, info in named if info is not None and info.stream is not None]
     return producers, shapes, tuple(extents)

@@ -84,7 +84,10 @@ def test_tune_key_refuses_what_no_spec_can_be():
     with pytest.raises(ValueError, match="group_size"):
         TuneKey(128, 17)
     with pytest.raises(ValueError, match="kv_layout"):
-        TuneKey(128, 4, kv_layout="HND")  # contiguous caches are NHD
+        TuneKey(128, 4, kv_layout="NDH")
+    # Contiguous caches in transformers' [B, Hkv, L, D] order have a key (and no shipped table) of their own.
+    hnd = TuneKey(128, 4, kv_layout="HND")
+    assert hnd.layout == "contiguous-HND" and TuneKey.from_dict(hnd.to_dict()) == hnd
 
 
 # ---- tables: YAML round trip ---------------------------------------------------------------------

@@ -283,7 +283,31 @@ def test_happy_path_gives_the_problem_shape():
     lse = info((B, HQ), "fp32", ptr=BASE + 0x400000)
     shapes = check_decode_inputs(q, k, v, out=out, lse=lse)
     assert shapes == DecodeShapes(batch=B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, max_len=L,
-                                  group_size=HQ // HKV, q_dtype="bf16", kv_dtype="bf16")
+                                  group_size=HQ // HKV, q_dtype="bf16", kv_dtype="bf16", kv_stride=L)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cache_views_of_a_longer_cache_are_read_in_place(layout):
+    """k[:, :L] of a [B, S, Hkv, D] cache (NHD), k[:, :, :L] of a [B, Hkv, S, D] one (HND): the
+    programs read S tokens per sequence (or head) in memory, L of them the cache's."""
+    longer = 3 * L
+    if layout == "NHD":
+        shape, strides = (B, L, HKV, D), (longer * HKV * D, HKV * D, D, 1)
+    else:
+        shape, strides = (B, HKV, L, D), (HKV * longer * D, longer * D, D, 1)
+    k = info(shape, strides=strides, ptr=BASE + 0x100000)
+    v = info(shape, strides=strides, ptr=BASE + 0x8000000)
+    q = info((B, HQ, D), ptr=BASE)
+    shapes = check_decode_inputs(q, k, v, contiguous_layout=layout)
+    assert (shapes.max_len, shapes.num_kv_heads, shapes.kv_stride) == (L, HKV, longer)
+    whole = info(shape, ptr=BASE + 0x100000)  # contiguous: S = L
+    assert check_decode_inputs(q, whole, info(shape, ptr=BASE + 0x8000000), contiguous_layout=layout).kv_stride == L
+    with pytest.raises(ValueError, match="v: expected the strides of k"):
+        check_decode_inputs(q, k, info(shape, ptr=BASE + 0x8000000), contiguous_layout=layout)
+    half = L // 2  # S < L: the sequences' (or heads') rows would overlap
+    short = (HKV * half * D, half * D, D, 1) if layout == "HND" else (half * HKV * D, HKV * D, D, 1)
+    with pytest.raises(ValueError, match="contiguous cache or a view"):
+        check_decode_inputs(q, info(shape, strides=short), v, contiguous_layout=layout)
 
 
 def test_happy_path_from_described_arrays():
@@ -344,7 +368,8 @@ BAD_QKV = [
     (swap(1, shape=(B, L, HKV, 64)), ValueError, "k", "head_dim 128"),
     (swap(0, shape=(B, HQ, 80), strides=(HQ * 80, 80, 1)), ValueError, "q", "head_dim 80"),
     (swap(0, strides=(HQ * D, D, 2)), ValueError, "q", "contiguous"),
-    (swap(1, strides=(L * HKV * D * 2, HKV * D, D, 1)), ValueError, "k", "contiguous"),
+    (swap(1, strides=(L * HKV * D, HKV * D, D, 2)), ValueError, "k", "contiguous cache or a view"),
+    (swap(1, strides=(L * HKV * D, HKV * D * 2, D, 1)), ValueError, "k", "contiguous cache or a view"),
     (swap(2, strides=(L * HKV * D, 1, L * D, L)), ValueError, "v", "contiguous"),
     (swap(0, ptr=BASE + 2), ValueError, "q", "aligned"),
     (swap(2, ptr=BASE + 8), ValueError, "v", "aligned"),

@@ -197,8 +197,10 @@ def test_paged_caches_are_named_and_checked():
     for bad in (3, 512, -16):
         with pytest.raises(ValueError, match="page_size"):
             KernelSpec(page_size=bad)
+    # Contiguous caches in transformers' [B, Hkv, L, D] order, 16-bit K/V only.
+    assert KernelSpec(kv_layout="HND").name.endswith("-hnd")
     with pytest.raises(ValueError, match="kv_layout"):
-        KernelSpec(kv_layout="HND")  # contiguous caches have one layout
+        KernelSpec(kv_layout="HND", kv_dtype="fp8_e4m3", tile_tokens=64)
     with pytest.raises(ValueError, match="kv_layout"):
         KernelSpec(page_size=16, kv_layout="NDH")
     # A tensor-map box is a whole number of the swizzle's 8-row periods.

@@ -44,14 +44,12 @@ class TuneKey:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
                 or not 1 <= self.group_size <= MAX_GROUP:
             raise ValueError(f"group_size: expected an int in 1..{MAX_GROUP}, got {self.group_size!r}")
-        if not self.page_size and self.kv_layout != "NHD":
-            raise ValueError("kv_layout: contiguous caches are NHD")
 
     @property
     def layout(self) -> str:
-        """'contiguous', or 'p16' / 'p16-HND' for paged caches."""
+        """'contiguous' ('contiguous-HND' for [B, Hkv, L, D] caches), or 'p16' / 'p16-HND' for paged caches."""
         if not self.page_size:
-            return "contiguous"
+            return "contiguous" + ("-HND" if self.kv_layout == "HND" else "")
         return f"p{self.page_size}" + ("-HND" if self.kv_layout == "HND" else "")
 
     @property
@@ -92,9 +90,9 @@ _LAYOUT_RE = re.compile(r"^p(\d+)(-HND|-NHD)?$")
 
 
 def parse_layout(text: str) -> tuple[int, str]:
-    """'contiguous' -> (0, 'NHD'); 'p16' -> (16, 'NHD'); 'p16-HND' -> (16, 'HND')."""
-    if text == "contiguous":
-        return 0, "NHD"
+    """'contiguous' -> (0, 'NHD'); 'contiguous-HND' -> (0, 'HND'); 'p16' -> (16, 'NHD'); 'p16-HND' -> (16, 'HND')."""
+    if text in ("contiguous", "contiguous-HND"):
+        return 0, "HND" if text.endswith("HND") else "NHD"
     m = _LAYOUT_RE.match(str(text))
     if not m:
         raise ValueError(f"layout: expected 'contiguous', 'pN' or 'pN-HND', got {text!r}")

@@ -297,3 +297,70 @@ def test_plain_attention_is_unchanged_by_the_variants_code():
     attn.plan(lens, window_left=10**6)
     windowed = attn.run(q, k, v)
     assert bool((to_float64(plain, "bf16") == to_float64(windowed, "bf16")).all())
+
+
+# ---- transformers' cache layout: [B, Hkv, L, D], and views of a longer cache read in place ------
+@pytest.mark.parametrize("head_dim, variant, num_splits", [(128, None, None), (128, "dense", None), (128, "split", 6),
+                                                           (96, None, None), (256, "split", 3), (64, None, None)])
+def test_hnd_caches_and_views_of_longer_caches(head_dim, variant, num_splits):
+    """K/V as [B, Hkv, L, D] (contiguous, and a [:, :, :L] view of a cache of 2L + 8 tokens), and
+    NHD views [:, :L] of a longer [B, S, Hkv, D] cache: each against the float64 reference, and bit
+    for bit the output of the same plan over a contiguous NHD copy."""
+    lens, num_qo, num_kv, tokens, window = [1500, 40, 999], 8, 2, 2, 600
+    q32, k32, v32 = make_inputs(lens, tokens, num_qo, num_kv, head_dim, window, 31 + head_dim)
+    ref_out, ref_lse = attention_reference(q32.astype(np.float64), k32.astype(np.float64), v32.astype(np.float64),
+                                           lens, 1 / math.sqrt(head_dim), window_left=window)
+    q = cupy.asarray(to_bf16_bits(q32))
+    batch, length = k32.shape[:2]
+    plan = dict(query_tokens=tokens, window_left=window, variant=variant, num_splits=num_splits)
+
+    def run(layout, k, v):
+        attn = DecodeAttention(num_qo, num_kv, head_dim, kv_layout=layout)
+        attn.plan(lens, **plan)
+        out = poisoned((batch, tokens, num_qo, head_dim), "bf16")
+        lse = cupy.full((batch, tokens, num_qo), cupy.nan, dtype=cupy.float32)
+        attn.run(q, k, v, out=out, lse=lse)
+        label = f"{layout} k {k.shape} strides {k.strides} {attn.plan_info}"
+        check_close(out.reshape(-1, num_qo, head_dim), lse.reshape(-1, num_qo),
+                    cupy.asarray(ref_out.reshape(-1, num_qo, head_dim)), ref_lse.reshape(-1, num_qo),
+                    np.repeat(lens, tokens), "bf16", label)
+        return out, label
+
+    k_nhd, v_nhd = (cupy.asarray(to_bf16_bits(x)) for x in (k32, v32))
+    base, _ = run("NHD", k_nhd, v_nhd)
+    k_hnd, v_hnd = (cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (k_nhd, v_nhd))
+    longer = 2 * length + 8
+
+    def nhd_view(x):
+        held = cupy.full((batch, longer, num_kv, head_dim), 0x7FC0, cupy.uint16)  # NaN past L: never read
+        held[:, :length] = x
+        return held[:, :length]
+
+    def hnd_view(x):
+        held = cupy.full((batch, num_kv, longer, head_dim), 0x7FC0, cupy.uint16)
+        held[:, :, :length] = x
+        return held[:, :, :length]
+
+    for layout, k, v in (("HND", k_hnd, v_hnd), ("HND", hnd_view(k_hnd), hnd_view(v_hnd)),
+                         ("NHD", nhd_view(k_nhd), nhd_view(v_nhd))):
+        out, label = run(layout, k, v)
+        assert bool((out == base).all()), f"{label}: not the bits of the contiguous NHD cache's output"
+
+
+def test_torch_cache_views_and_decode():
+    torch = pytest.importorskip("torch")
+    lens, num_qo, num_kv, head_dim, length, longer = [700, 333], 8, 2, 128, 700, 1024
+    q32, k32, v32 = make_inputs(lens, 3, num_qo, num_kv, head_dim, -1, 41)
+    ref_out, _ = attention_reference(*(x.astype(np.float64) for x in (q32, k32, v32)), lens, 1 / math.sqrt(head_dim))
+    cache_k = torch.full((2, num_kv, longer, head_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cache_v = cache_k.clone()
+    cache_k[:, :, :length] = torch.from_numpy(k32).cuda().transpose(1, 2)
+    cache_v[:, :, :length] = torch.from_numpy(v32).cuda().transpose(1, 2)
+    q = torch.from_numpy(q32).to("cuda", torch.bfloat16)
+    for view in (length, length - 100):  # the view's length changes the stride-free extent, not the stride
+        lens_now = [min(n, view) for n in lens]
+        ref = attention_reference(*(x.astype(np.float64) for x in (q32, k32, v32)), lens_now, 1 / math.sqrt(head_dim))[0]
+        out = splitkv.decode(q, cache_k[:, :, :view], cache_v[:, :, :view], lens_now, kv_layout="HND")
+        err = np.abs(out.float().cpu().numpy() - ref).max() / np.abs(ref).max()
+        assert err < 2e-2, f"torch HND view of {view} tokens: max error {err:.3e} of the output's scale"
+    assert ref_out.shape == out.shape

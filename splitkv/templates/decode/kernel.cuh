@@ -21,7 +21,7 @@ __device__ __forceinline__ void decode_program(
         const float* __restrict__ k_scale, int k_per_head, const float* __restrict__ v_scale, int v_per_head,
         const unsigned char* __restrict__ k_block_scales, const unsigned char* __restrict__ v_block_scales,
         const int* __restrict__ block_table, int table_stride, int num_pages, const int* __restrict__ units,
-        const float* __restrict__ sinks, int window_left, float soft_cap_log2) {
+        const float* __restrict__ sinks, int window_left, float soft_cap_log2, int kv_stride) {
     extern __shared__ __align__(SMEM_ALIGN) unsigned char smem[];
     __shared__ unsigned long long inbox_full;  // cluster: every member has pushed into the inbox
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -135,16 +135,22 @@ __device__ __forceinline__ void decode_program(
         end = min(unit_end, max_len);
     }
     int my_tiles = tiles_of_warp(begin, end, row_warp);
-    // Token t of the CTA's row lies at row head_row0 + token_row(page, t) of the cache.
+    // Token t of the CTA's row lies at row head_row0 + token_row(page, t) of the cache. A contiguous
+    // cache holds kv_stride tokens per sequence (NHD: [batch][kv_stride][heads]) or per head (HND:
+    // [batch][heads][kv_stride]), of which the first max_len are the cache's.
     const size_t head_row0 = PAGED ? (HND ? (size_t)kv_head * PAGE : (size_t)kv_head)
-                                   : (size_t)batch_idx * max_len * num_kv_heads + kv_head;
+                           : HND   ? ((size_t)batch_idx * num_kv_heads + kv_head) * kv_stride
+                                   : (size_t)batch_idx * kv_stride * num_kv_heads + kv_head;
     if constexpr (SWIZZLED) {
         if (lane < 2 * STAGES) splitkv::mbarrier_init(&stage_barriers()[warp][lane / 2][lane % 2], STAGE_ARRIVALS);
         splitkv::mbarrier_init_fence();
         __syncwarp();
     }
     int fetch_end = end;
-    TileLoader loader{row_warp, batch_idx, kv_head, max_len, num_kv_heads, table_stride, num_pages,
+    // tma: a contiguous cache's map rows are [batch x kv_stride] tokens (NHD, a row holding every
+    // K/V head) or [batch x heads x kv_stride] (HND).
+    const int map_row0 = HND ? (batch_idx * num_kv_heads + kv_head) * kv_stride : batch_idx * kv_stride;
+    TileLoader loader{row_warp, map_row0, kv_head, num_kv_heads, table_stride, num_pages,
                       smem + (size_t)warp * STAGES * 2 * TILE_BYTES,
                       k + head_row0 * ROW_BYTES, v + head_row0 * ROW_BYTES,
                       k_block_scales + head_row0 * SCALE_ROW, v_block_scales + head_row0 * SCALE_ROW,
@@ -284,5 +290,5 @@ splitkv_decode(const __grid_constant__ splitkv::decode::Params p) {
         param_field(p.partial_lse), param_field(p.counters), p.max_len, p.num_kv_heads, p.tokens_per_split,
         p.scale_log2, p.k_map, p.v_map, p.k_scale, p.k_per_head, p.v_scale, p.v_per_head, p.k_block_scales,
         p.v_block_scales, p.block_table, p.table_stride, p.num_pages, p.units, p.sinks, p.window_left,
-        p.soft_cap_log2);
+        p.soft_cap_log2, p.kv_stride);
 }

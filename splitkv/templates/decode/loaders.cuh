@@ -17,7 +17,8 @@ __device__ __forceinline__ auto stage_barriers() -> unsigned long long (&)[WARPS
 // then trimmed in place.
 struct TileLoader {
     // (No lane or warp members: see lane_id.)
-    const int row_warp, batch_idx, kv_head, max_len, num_kv_heads, table_stride, num_pages;
+    // map_row0 (tma, contiguous caches): the map row of the CTA's row's token 0.
+    const int row_warp, map_row0, kv_head, num_kv_heads, table_stride, num_pages;
     unsigned char* const ring;
     const unsigned char* const k_head;         // cp.async: the head's first row of K, of V
     const unsigned char* const v_head;
@@ -39,7 +40,7 @@ struct TileLoader {
     // of SCALE_ROW block-scale bytes).
     __device__ __forceinline__ size_t token_row(int page, int token) const {
         if constexpr (PAGED) return (size_t)page * PAGE * num_kv_heads + (size_t)(token % PAGE) * (HND ? 1 : num_kv_heads);
-        else return (size_t)token * num_kv_heads;
+        else return (size_t)token * (HND ? 1 : num_kv_heads);
     }
     // Paged: the page indices of the warp's tile batch `b` (see TILES_PER_BATCH), clamped into the
     // cache (and into the table's row), so that no table, however wrong, makes a read leave it.
@@ -125,7 +126,7 @@ struct TileLoader {
         }
         const int page = PAGED ? row_page(pages_now, slot0, lane * PAGE) : 0;  // lane j: the tile's j-th page
         if (lane < ROW_BOXES) {
-            const int row = !PAGED ? batch_idx * max_len + first
+            const int row = !PAGED ? map_row0 + first
                           : (HND ? (page * num_kv_heads + kv_head) * PAGE : page * PAGE) + (ROW_BOXES > 1 ? 0 : first % PAGE);
             const int col = HND ? 0 : kv_head * (ROW_BYTES / MAP_ELEM_BYTES);
             auto copy_boxes = [&](unsigned char* tile, const splitkv::TensorMap* map, unsigned long long* bar) {

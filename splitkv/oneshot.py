@@ -27,7 +27,7 @@ _MAX_DESCRIBED = 64
 
 def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", validate: bool = True,
            sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float = 0.0, sinks=None,
-           out=None, return_lse: bool = False, stream=None):
+           deterministic: bool = False, out=None, return_lse: bool = False, stream=None):
     """Decode attention of ``q`` [B, Hq, D] (or [B, T, Hq, D]: T query tokens per sequence, causal
     among them) over ``k``, ``v`` [B, L_max, Hkv, D] (``kv_layout`` 'HND': [B, Hkv, L_max, D], as
     transformers' caches hold them; either may be a view of a longer cache, read in place).
@@ -38,6 +38,7 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
     or device) and ``seq_lens`` required; ``validate`` checks the table (see `DecodeAttention.plan`).
     The attention variants (`splitkv.variants` states them): ``window_left`` (-1: no sliding
     window), ``logits_soft_cap`` (0: none), ``sinks`` (a float32 [Hq] device array, or None).
+    ``deterministic``: batch-invariant results (see `DecodeAttention.plan`).
     Returns ``out`` of q's shape, dtype and kind (CuPy or torch), and with ``return_lse`` also
     the natural-log log-sum-exp (q's shape without its last axis) in float32. Plans on every call (reading device lengths
     back); for the hot loop of a server use `DecodeAttention` and call ``run`` per layer.
@@ -45,6 +46,7 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
     return_lse = tensors.check_flag(return_lse, "return_lse")
+    deterministic = tensors.check_flag(deterministic, "deterministic")
     paging = block_table is not None
     cache_layout = kv_layout if paging else None
     read = read_arrays(q, k, v, out, None)  # run() takes it too: the arrays are read once per call
@@ -91,7 +93,7 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
                     _instances.popitem(last=False)
             _instances.move_to_end(key)
             attn._plan_checked(seq_lens, block_table=block_table, validate=validate, stream=launch_stream,
-                               attention=attention)
+                               attention=attention, deterministic=deterministic)
             if out is not None and not return_lse:
                 return attn._run_read(q, k, v, out, launch_stream, read, sinks)
             return attn.run(q, k, v, out=out, return_lse=return_lse, sinks=sinks, stream=launch_stream)

@@ -220,6 +220,25 @@ def fixed_plan(seq_lens, num_kv_heads, *, variant, chunk_size, num_splits=None):
     return SplitPlan("split", tokens_per_split, num_splits, splits_per_seq, lens.size * num_kv_heads * num_splits)
 
 
+#: Tokens per split of a batch-invariant plan (`batch_invariant_plan`): short enough that a single
+#: sequence of a few thousand tokens still spreads over several CTAs per K/V head.
+BATCH_INVARIANT_TOKENS = 1024
+
+
+def batch_invariant_plan(seq_lens, num_kv_heads, *, chunk_size, tokens_per_split=BATCH_INVARIANT_TOKENS):
+    """A split plan whose every sequence's splits follow from its own length alone: splits of
+    ``tokens_per_split`` tokens (rounded up to whole chunks) from its first token, whatever else is
+    in the batch, so that with one program and a merge in split order a sequence's output is the
+    same bits in any batch and at any place in it (`DecodeAttention.plan(deterministic=True)`)."""
+    lens = _check_lens(seq_lens)
+    num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+    chunk_size = _positive_int("chunk_size", chunk_size)
+    tokens_per_split = chunk_size * _ceil_div(_positive_int("tokens_per_split", tokens_per_split), chunk_size)
+    splits_per_seq = np.maximum(_ceil_div(lens, tokens_per_split), 1)
+    num_splits = int(splits_per_seq.max(initial=1))
+    return SplitPlan("split", tokens_per_split, num_splits, splits_per_seq, lens.size * num_kv_heads * num_splits)
+
+
 def fit_clusters(plan, seq_lens, num_kv_heads, *, chunk_size, max_cluster, resident_clusters,
                  kv_bytes_per_token, may_resplit=True, max_split_bytes=CLUSTER_SPLIT_BYTES, multi_cluster=True,
                  whole_row_ctas=None):

@@ -12,8 +12,8 @@ import dataclasses
 from typing import Callable
 
 from .heuristics import takes_whole_row_clusters
-from .plan import (SplitPlan, dense_regardless, describe, fit_clusters, fixed_plan, pack_heads,
-                   plan_splits_unchecked, wants_packed_heads, whole_row_ctas)
+from .plan import (SplitPlan, batch_invariant_plan, dense_regardless, describe, fit_clusters, fixed_plan,
+                   pack_heads, plan_splits_unchecked, wants_packed_heads, whole_row_ctas)
 from .spec import KernelSpec
 from .work_units import (PRIOR_COSTS, ROUTE_FACTOR, CostModel, UnitPlan, choose_kv_splits,
                          may_route_to_units_unchecked, predicted_makespan, split_plan_makespan)
@@ -81,7 +81,7 @@ class PlanChoice:
 
 def choose_plan(lengths, max_len: int, num_kv_heads: int, programs: Programs, gpu: GpuFacts, *,
                 may_grow: bool = False, variant: str | None = None, num_splits: int | None = None,
-                warp_heads: bool | None = None, allow_units: bool = True) -> PlanChoice:
+                warp_heads: bool | None = None, allow_units: bool = True, batch_invariant: bool = False) -> PlanChoice:
     """The plan of ``lengths`` (checked int64 lengths the plan covers, the longest ``max_len``)
     and its program.
 
@@ -89,7 +89,9 @@ def choose_plan(lengths, max_len: int, num_kv_heads: int, programs: Programs, gp
     cover them, so none is made). ``variant`` (and ``num_splits`` for 'split') override the
     planner's choice; ``warp_heads`` True or False whether a dense plan's warps get a K/V head
     each (None: `plan.wants_packed_heads`). ``allow_units``: whether the units program may serve
-    these rows (not with a window or several row blocks per K/V head).
+    these rows (not with a window or several row blocks per K/V head). ``batch_invariant``: the
+    split program without clusters over `plan.batch_invariant_plan` (each sequence's splits from its
+    own length; the merge sums them in split order), whatever the batch.
 
     The policy, for ``variant=None``: a tuned dense program that the table says these rows run
     makes the plan dense; else the wave model (`plan.plan_splits_unchecked`) and the short-row
@@ -97,6 +99,10 @@ def choose_plan(lengths, max_len: int, num_kv_heads: int, programs: Programs, gp
     `ROUTE_FACTOR` times faster goes to units (`units_pay`). A split plan then takes the largest
     cluster that fits (`plan.fit_clusters`)."""
     chunk = programs.split.chunk_size
+    if batch_invariant:
+        plan = batch_invariant_plan(lengths, num_kv_heads, chunk_size=chunk)
+        spec = programs.in_clusters(1) if programs.in_clusters else programs.split.replace(cluster=1)
+        return PlanChoice(plan, spec, not spec.fused_merge)
     if variant == "units":
         check_units_request(max_len, may_grow=may_grow, num_splits=num_splits, warp_heads=warp_heads)
         units = unit_plan(lengths, num_kv_heads, programs, gpu.num_sms * gpu.ctas_per_sm, programs.unit_costs)

@@ -151,6 +151,7 @@ class DecodeAttention:
         else:
             self.dense_spec = base.replace(arch=self.arch, **paging).as_dense()
         self._whole_row_clusters = takes_whole_row_clusters(self.split_spec)
+        self._own_programs = (self.split_spec, self.dense_spec)  # batch-invariant plans launch these
         if not isinstance(tuned, bool):
             raise TypeError(f"tuned: expected True or False, got {tuned!r}")
         self._tuned = None
@@ -190,7 +191,7 @@ class DecodeAttention:
     def plan(self, seq_lens, max_len: int | None = None, *, block_table=None, validate: bool = True,
              variant: str | None = None, num_splits: int | None = None, warp_heads: bool | None = None,
              max_units: int | None = None, stream=None, query_tokens: int = 1, window_left: int = -1,
-             logits_soft_cap: float = 0.0, sinks: bool = False) -> SplitPlan | UnitPlan:
+             logits_soft_cap: float = 0.0, sinks: bool = False, deterministic: bool = False) -> SplitPlan | UnitPlan:
         """Choose dense or split for these lengths, compile what that needs, size the workspace.
 
         The attention variant (`splitkv.variants` states each exactly): ``query_tokens`` T query
@@ -199,6 +200,12 @@ class DecodeAttention:
         the window's tokens are read, and the planner splits only them), a ``logits_soft_cap`` (0:
         none), ``sinks`` (True: run() takes the sinks' float32 ``[Hq]`` array). Each is compiled into
         the programs of this plan alone.
+
+        ``deterministic=True``: batch-invariant results: a sequence's output (and lse) is the same
+        bits whatever else is in the batch and wherever it stands in it. One program (the instance's
+        own split program, never a tuned table's, which chooses by workload), no clusters, every
+        sequence split by its own length (`plan.batch_invariant_plan`), the splits merged in order.
+        It takes none of ``variant``, ``num_splits``, ``warp_heads``, ``max_units``.
 
         ``seq_lens``: host ints or a device int32 array (read back once here). ``max_len``, when
         given, bounds the lengths; for a device ``seq_lens`` the plan also covers it, so lengths
@@ -231,13 +238,17 @@ class DecodeAttention:
         another stream than the one before waits for it; the host never waits).
         """
         on_device = tensors.is_device_array(seq_lens)
+        deterministic = tensors.check_flag(deterministic, "deterministic")
+        if deterministic and (variant, num_splits, warp_heads, max_units) != (None, None, None, None):
+            raise ValueError("deterministic: a batch-invariant plan takes none of variant, num_splits, warp_heads "
+                             "and max_units (it fixes them)")
         if query_tokens == 1 and window_left == -1 and logits_soft_cap == 0.0 and sinks is False:
             attention = variants.PLAIN
         else:
             attention = variants.check_variant(query_tokens, window_left, logits_soft_cap, sinks)
         with self._in_call_order(seq_lens if on_device else None, stream):
             return self._plan(seq_lens, on_device, max_len, variant, num_splits, warp_heads, block_table, validate,
-                              max_units, attention=attention)
+                              max_units, attention=attention, deterministic=deterministic)
 
     @contextlib.contextmanager
     def _in_call_order(self, like, stream):
@@ -252,17 +263,19 @@ class DecodeAttention:
                 self._order.leave(ptr, capturing)
 
     def _plan_checked(self, lens: np.ndarray, *, block_table, validate: bool, stream: int,
-                      attention: variants.AttentionVariant = variants.PLAIN) -> SplitPlan | UnitPlan:
+                      attention: variants.AttentionVariant = variants.PLAIN,
+                      deterministic: bool = False) -> SplitPlan | UnitPlan:
         """plan() of host lengths checked already (`tensors.check_seq_lens`: int32, 1-D): decode()'s,
         which checks them against its cache itself."""
         if lens.size == 0:
             raise ValueError(f"seq_lens: expected a non-empty 1-D sequence of lengths, got shape {lens.shape}")
         with self._in_call_order(None, stream):
             return self._plan(lens, False, None, None, None, None, block_table, validate, None, checked=True,
-                              attention=attention)
+                              attention=attention, deterministic=deterministic)
 
     def _plan(self, seq_lens, on_device, max_len, variant, num_splits, warp_heads, block_table, validate, max_units,
-              checked: bool = False, attention: variants.AttentionVariant = variants.PLAIN):
+              checked: bool = False, attention: variants.AttentionVariant = variants.PLAIN,
+              deterministic: bool = False):
         """plan(); ``on_device``: whether ``seq_lens`` is a device array; ``checked``: whether they
         are host lengths checked already; ``attention``: the plan's attention variant."""
         if warp_heads is not None and not isinstance(warp_heads, bool):
@@ -288,8 +301,13 @@ class DecodeAttention:
             host_lens = lens.copy()
             host_lens[int(np.argmax(host_lens))] = int(max_len)
         max_planned = int(host_lens.max(initial=0))  # the longest sequence the plan covers
-        # The tuned entry nearest this workload chooses the programs (and may make the plan dense).
-        tuned_forces_dense = self._tuned is not None and self._use_tuned(batch * self.num_kv_heads, max_planned)
+        # The tuned entry nearest this workload chooses the programs (and may make the plan dense);
+        # a batch-invariant plan keeps the instance's own, whatever the workload.
+        tuned_forces_dense = False
+        if deterministic:
+            self._keep_own_programs()
+        elif self._tuned is not None:
+            tuned_forces_dense = self._use_tuned(batch * self.num_kv_heads, max_planned)
         may_grow = host_lens is not lens
         if variant != "units" and max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")
@@ -327,7 +345,7 @@ class DecodeAttention:
         choice = planning.choose_plan(planned, streamed, row_heads, programs, gpu, may_grow=may_grow,
                                       variant=variant, num_splits=num_splits,
                                       warp_heads=False if attention.query_tokens > 1 else warp_heads,
-                                      allow_units=units_allowed)
+                                      allow_units=units_allowed, batch_invariant=deterministic)
         plan, spec = choice.plan, choice.spec
         if isinstance(plan, UnitPlan):
             return self._plan_units(seq_lens, on_device, lens, host_lens, block_table, validate, max_units, plan,
@@ -409,6 +427,15 @@ class DecodeAttention:
             with streams.on_device(self.device):  # a module is loaded into the current device's context
                 held = self._loaded[id(spec)] = (spec, *load_kernel(spec))
         return held[1:]
+
+    def _keep_own_programs(self) -> None:
+        """The instance's own programs (its spec, or the built-in heuristic's), as it was built: what
+        a batch-invariant plan launches, whichever tuned entry the last plan took."""
+        split, dense = self._own_programs
+        if not _same_spec(split, self.split_spec):
+            self.split_spec = split
+            self._whole_row_clusters = takes_whole_row_clusters(split)
+        self.dense_spec, self.tuned_entry = dense, None
 
     def _use_tuned(self, rows: int, max_len: int) -> bool:
         """Take the programs of the tuned entry nearest this workload (`lookup.programs_for`); True

@@ -178,3 +178,25 @@ def test_variant_programs_compile_without_spills(changes):
 def test_the_decode_struct_holds_the_variants_run_time_values():
     for name in ("sinks", "window_left", "soft_cap_log2"):
         assert name in DECODE.offset
+
+
+def test_batch_invariant_plans_split_each_sequence_by_its_own_length(fake_gpu):
+    from splitkv.plan import BATCH_INVARIANT_TOKENS
+
+    attn = runtime.DecodeAttention(32, 8, 128)
+    spec_before = attn.split_spec
+    for lens in ([5000], [5000, 300, 70000], [300] * 64 + [5000], [1]):
+        plan = attn.plan(lens, deterministic=True)
+        assert plan.variant == "split" and plan.tokens_per_split == BATCH_INVARIANT_TOKENS
+        assert list(plan.splits_per_seq) == [max(1, -(-n // BATCH_INVARIANT_TOKENS)) for n in lens]
+        spec = attn._launch.spec
+        # One program whatever the workload: the instance's own, in no cluster, merged in split order.
+        assert spec == spec_before.replace(cluster=1) and attn.tuned_entry is None
+        assert attn._launch.grid == (plan.num_splits, 8, len(lens))
+    with pytest.raises(ValueError, match="deterministic"):
+        attn.plan([5000], deterministic=True, num_splits=3)
+    with pytest.raises(TypeError, match="deterministic"):
+        attn.plan([5000], deterministic=1)
+    # With a window, the window's tokens are split alike.
+    plan = attn.plan([70000, 100], deterministic=True, window_left=4000)
+    assert plan.tokens_per_split == BATCH_INVARIANT_TOKENS and plan.splits_per_seq[0] == -(-(4000 + 1 + 31) // 1024)

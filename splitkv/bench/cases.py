@@ -70,6 +70,8 @@ def splitkv_case(package, layers: Layers, spec=None, variant: str | None = None,
     if s.has_variant:
         plan_kw.update(query_tokens=s.query_tokens, window_left=s.window_left, logits_soft_cap=s.soft_cap,
                        sinks=s.sinks)
+    if s.deterministic:
+        plan_kw["deterministic"] = True
     attn.plan([s.seq_len] * s.batch, s.seq_len, **plan_kw)
     ks = [adopt_cache(package, k) for k in layers.k]
     vs = [adopt_cache(package, v) for v in layers.v]

@@ -31,6 +31,7 @@ def sdpa_case(layers: Layers, backend: str) -> Case:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     s = layers.shape
+    _no_batch_invariance(layers)
     if s.quantized:
         raise Unavailable(f"SDPA reads bf16/fp16 K/V, not {s.kv_dtype}")
     if s.has_variant:
@@ -91,6 +92,11 @@ def sdpa_case(layers: Layers, backend: str) -> Case:
     return Case([launcher(i) for i in range(layers.count)], outputs, context=context, info=info, keep=(ks, vs))
 
 
+def _no_batch_invariance(layers: Layers) -> None:
+    if layers.shape.deterministic:
+        raise Unavailable("no batch-invariant decode mode")
+
+
 def _peer_module(module: str, package: str, layers: Layers, no_format: str):
     """A peer's module, imported; Unavailable when it is not installed or reads neither bf16 nor
     FP8 K/V of the shape (``no_format`` says why)."""
@@ -112,6 +118,7 @@ def fa3_case(layers: Layers) -> Case:
     torch = layers.torch
     fa3 = _peer_module("fa3_fwd_interface", "fa3-fwd", layers, f"FA3 has no {layers.shape.kv_dtype} K/V")
     s = layers.shape
+    _no_batch_invariance(layers)
     if s.sinks:
         raise Unavailable("FA3 (fa3-fwd 0.0.3) takes no attention sinks")
     fp8 = s.kv_dtype == "fp8_e4m3"
@@ -168,6 +175,7 @@ def flashinfer_case(layers: Layers) -> Case:
     flashinfer = _peer_module("flashinfer", "flashinfer", layers,
                               f"FlashInfer has no {layers.shape.kv_dtype} K/V decode for this GPU")
     s = layers.shape
+    _no_batch_invariance(layers)
     if s.query_tokens > 1:
         raise Unavailable("FlashInfer's decode wrapper serves one query token per sequence (several go through "
                           "its prefill wrappers, not timed here)")

@@ -36,6 +36,7 @@ class Shape:
     window_left: int = -1
     soft_cap: float = 0.0
     sinks: bool = False
+    deterministic: bool = False  # splitkv's batch-invariant plan (plan(deterministic=True)); no peer has one
 
     @property
     def has_variant(self) -> bool:
@@ -53,6 +54,8 @@ class Shape:
             parts.append(f"cap{self.soft_cap:g}")
         if self.sinks:
             parts.append("sink")
+        if self.deterministic:
+            parts.append("det")
         return "".join(":" + p for p in parts)
 
     @property
@@ -138,28 +141,30 @@ def format_length(n: int) -> str:
     return str(n)
 
 
-_VARIANT_RE = re.compile(r"^(?:t(\d+)|w(\d+)|cap(\d+(?:\.\d+)?)|(sink))$")
+_VARIANT_RE = re.compile(r"^(?:t(\d+)|w(\d+)|cap(\d+(?:\.\d+)?)|(sink)|(det))$")
 
 
 def parse_shape(token: str) -> Shape:
     """Parse 'B:Hq:Hkv:D:L' (L may be written 4k), optionally ':fp8' or ':nvfp4' for a quantized
     K/V cache, then the variants: ':t4' (query tokens), ':w4095' (window_left), ':cap30' (soft-cap),
-    ':sink'; raises ValueError naming the bad part."""
+    ':sink', and ':det' (splitkv's batch-invariant plan); raises ValueError naming the bad part."""
     text = str(token).strip()
     parts = text.split(":")
     if len(parts) < 5:
         raise ValueError(f"shape {token!r}: expected B:Hq:Hkv:D:L[:FORMAT][:t4][:w4095][:cap30][:sink], e.g. "
                          "1:32:8:128:4k or 1:32:8:128:4k:fp8")
     kv_dtype = "bf16"
-    variant = dict(query_tokens=1, window_left=-1, soft_cap=0.0, sinks=False)
+    variant = dict(query_tokens=1, window_left=-1, soft_cap=0.0, sinks=False, deterministic=False)
     for place, extra in enumerate(parts[5:]):
         word = extra.strip().lower()
         m = _VARIANT_RE.match(word)
         if word in KV_FORMATS and place == 0:
             kv_dtype = KV_FORMATS[word]
         elif m:
-            tokens, window, cap, sink = m.groups()
-            if tokens is not None:
+            tokens, window, cap, sink, det = m.groups()
+            if det is not None:
+                variant["deterministic"] = True
+            elif tokens is not None:
                 variant["query_tokens"] = int(tokens)
             elif window is not None:
                 variant["window_left"] = int(window)
@@ -169,7 +174,7 @@ def parse_shape(token: str) -> Shape:
                 variant["sinks"] = True
         else:
             raise ValueError(f"shape {token!r}: {extra!r} is neither a format ({sorted(KV_FORMATS)}, first) nor a "
-                             "variant (t<tokens>, w<window_left>, cap<soft-cap>, sink)")
+                             "variant (t<tokens>, w<window_left>, cap<soft-cap>, sink, det)")
     names = ("B", "Hq", "Hkv", "D")
     values = []
     for name, part in zip(names, parts[:4]):

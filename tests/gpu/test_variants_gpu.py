@@ -364,3 +364,39 @@ def test_torch_cache_views_and_decode():
         err = np.abs(out.float().cpu().numpy() - ref).max() / np.abs(ref).max()
         assert err < 2e-2, f"torch HND view of {view} tokens: max error {err:.3e} of the output's scale"
     assert ref_out.shape == out.shape
+
+
+@pytest.mark.parametrize("variant_args", [dict(), dict(query_tokens=2, window_left=3000, logits_soft_cap=30.0)])
+def test_deterministic_plans_are_batch_invariant(variant_args):
+    """plan(deterministic=True): one sequence's output and lse are the same bits alone, among other
+    sequences of every length, and at another place in the batch; and right against float64."""
+    num_qo, num_kv, head_dim = 8, 2, 128
+    tokens = variant_args.get("query_tokens", 1)
+    length = 5000
+    q32, k32, v32 = make_inputs([length], tokens, num_qo, num_kv, head_dim, variant_args.get("window_left", -1), 51)
+    rng = np.random.default_rng(52)
+    attn = DecodeAttention(num_qo, num_kv, head_dim)
+    results = []
+    for others, place in (([], 0), ([300] * 7, 7), ([70000, 17, 1500], 1), ([40] * 40, 20)):
+        lens = list(others)
+        lens.insert(place, length)
+        cache = max(lens)
+        k = rng.standard_normal((len(lens), cache, num_kv, head_dim)).astype(np.float32)
+        v = rng.standard_normal((len(lens), cache, num_kv, head_dim)).astype(np.float32)
+        q = rng.standard_normal((len(lens), tokens, num_qo, head_dim)).astype(np.float32)
+        k[place, :length], v[place, :length], q[place] = k32[0], v32[0], q32[0]
+        kq, vq, qq = (cupy.asarray(to_bf16_bits(needles.round_to(x, "bf16"))) for x in (k, v, q))
+        attn.plan(lens, deterministic=True, sinks=False, **variant_args)
+        out = poisoned((len(lens), tokens, num_qo, head_dim), "bf16")
+        lse = cupy.full((len(lens), tokens, num_qo), cupy.nan, dtype=cupy.float32)
+        attn.run(qq, kq, vq, out=out, lse=lse)
+        results.append((cupy.asnumpy(out[place]), cupy.asnumpy(lse[place]), attn.plan_info))
+    ref_out, ref_lse = attention_reference(q32.astype(np.float64), k32.astype(np.float64), v32.astype(np.float64),
+                                           [length], 1 / math.sqrt(head_dim),
+                                           window_left=variant_args.get("window_left", -1),
+                                           logits_soft_cap=variant_args.get("logits_soft_cap", 0.0))
+    check_close(cupy.asarray(results[0][0]).reshape(tokens, num_qo, head_dim), cupy.asarray(results[0][1]),
+                cupy.asarray(ref_out[0]), ref_lse[0], [length] * tokens, "bf16", f"deterministic {results[0][2]}")
+    for out, lse, info in results[1:]:
+        assert np.array_equal(out, results[0][0]) and np.array_equal(lse, results[0][1], equal_nan=True), (
+            f"not batch-invariant: {info} against {results[0][2]}")

@@ -199,6 +199,9 @@ def cache_token_stride(info: TensorInfo, name: str, layout: str) -> int:
     batch, outer, inner, head_dim = info.shape
     s_batch, s_outer, s_inner, s_elem = info.strides
     length, heads = (inner, outer) if layout == "HND" else (outer, inner)
+    if 0 in info.shape:  # an empty cache: no row is read, whatever its strides say
+        check_aligned(info, name, 16, "16 bytes (the kernels use 16-byte loads)")
+        return int(length)
     expected = ("[B, Hkv, S, D][:, :, :L] with S >= L" if layout == "HND" else "[B, S, Hkv, D][:, :L] with S >= L")
     ok = head_dim <= 1 or s_elem == 1
     if layout == "HND":
@@ -217,9 +220,6 @@ def cache_token_stride(info: TensorInfo, name: str, layout: str) -> int:
         raise ValueError(f"{name}: expected a contiguous cache or a view {expected} (rows of head_dim contiguous), "
                          f"got shape {info.shape} and strides {info.strides} (in elements)")
     check_aligned(info, name, 16, "16 bytes (the kernels use 16-byte loads)")
-    rows = batch * stride * (heads if layout == "HND" else 1)  # the tensor maps' rows, indexed in int32
-    if rows > _INT32_MAX:
-        raise ValueError(f"{name}: a cache of {rows} token rows exceeds the {_INT32_MAX} the programs index")
     return int(stride)
 
 

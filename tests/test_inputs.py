@@ -588,3 +588,14 @@ def test_paged_caches_take_any_page_count_and_their_layout():
         check_decode_inputs(q, info((7, 16, D)), info((7, 16, D)), kv_layout="HND")
     with pytest.raises(ValueError, match="v: expected the shape of k"):
         check_decode_inputs(q, nhd, info((8, 16, HKV, D)), kv_layout="NHD")
+
+
+def test_empty_and_huge_caches_keep_their_checks():
+    # An empty cache's strides may be anything (CuPy reports zeros): nothing of it is read.
+    q = info((B, HQ, D))
+    empty = info((B, 0, HKV, D), strides=(0, 0, 0, 0), ptr=BASE + 0x100000)
+    assert check_decode_inputs(q, empty, dataclasses.replace(empty, ptr=BASE + 0x200000)).max_len == 0
+    # A cache of 2**31 tokens per sequence is described; the lengths' own check refuses None for it.
+    huge = info((1, 2**31, 1, D), ptr=BASE + 0x100000)
+    shapes = check_decode_inputs(info((1, 8, D)), huge, dataclasses.replace(huge, ptr=BASE + (1 << 40)))
+    assert shapes.kv_stride == 2**31

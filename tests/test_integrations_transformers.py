@@ -321,18 +321,25 @@ def test_a_static_cache_falls_back_and_gives_eager_tokens(standin):
     assert torch.equal(got, want)
 
 
+def assistant_model(head_dim: int):
+    """A one-layer Llama-style assistant that drafts 4 tokens a round (every draft kept to the
+    model's check: no confidence threshold), on transformers' sdpa."""
+    assistant = AutoModelForCausalLM.from_config(
+        LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=head_dim), attn_implementation="sdpa").eval()
+    assistant.generation_config.num_assistant_tokens = 4
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return assistant
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_assisted_generation_sends_several_tokens_per_step_to_splitkv(name, standin):
     """A one-layer assistant drafts 4 tokens a round; the model checks them in one forward pass of 5
     tokens, rolls its cache back past the rejected ones (a sliding layer included) and must give
     plain greedy generation's tokens."""
     model = _model(name)
-    assistant = AutoModelForCausalLM.from_config(
-        LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=32), attn_implementation="sdpa").eval()
-    assistant.generation_config.num_assistant_tokens = 4
-    assistant.generation_config.num_assistant_tokens_schedule = "constant"
-    assistant.generation_config.assistant_confidence_threshold = 0.0
+    assistant = assistant_model(head_dim=32)
     ids = torch.randint(0, VOCAB, (1, PROMPT))
     kw = {"max_new_tokens": 20, "min_new_tokens": 20, "do_sample": False}
     with torch.no_grad():

@@ -32,8 +32,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("cupy")
 
 import seeds
-from test_integrations_transformers import CONFIGS, VOCAB, WINDOW, _model
-from transformers import AttentionInterface, DynamicCache, LlamaConfig
+from test_integrations_transformers import CONFIGS, VOCAB, WINDOW, _model, assistant_model
+from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 import splitkv
@@ -191,12 +191,4 @@ def test_assisted_generation_sends_several_tokens_a_step_and_gives_greedy_tokens
 
 
 def _assistant():
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(
-        LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=64), attn_implementation="sdpa").eval()
-    model.generation_config.num_assistant_tokens = 4
-    model.generation_config.num_assistant_tokens_schedule = "constant"
-    model.generation_config.assistant_confidence_threshold = 0.0
-    return model
+    return assistant_model(head_dim=64)

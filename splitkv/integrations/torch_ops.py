@@ -10,9 +10,10 @@ CUDA-graph mode captures them.
     out = torch.ops.splitkv.run(q, k, v, plan, handle)   # inside it: no sync, no compile
 
 The plan crosses into the op as a tensor (the plan's device lengths, as FA3's scheduler metadata
-does): the compiled graph reads it, so the graph depends on the plan, and the op refuses a plan
-tensor that is not the instance's current one (a graph traced or captured under another plan).
-The instance itself is named by an int handle (`handle`), which a graph holds as a constant.
+does): the compiled graph reads it, so the graph is ordered after the plan's writes. The instance
+itself is named by an int handle (`handle`), which a graph holds as a constant. As for run()
+itself, a CUDA graph captured over the op replays the plan it was captured with: after plan(),
+capture again (device lengths rewritten in place within the plan's max_len reach replays).
 
 ``torch.ops.splitkv.decode`` plans on every call (reading device lengths back), like
 `splitkv.decode`: it traces, but a CUDA graph cannot capture its plan; use ``run`` there.
@@ -47,8 +48,7 @@ def handle(attn: "splitkv.DecodeAttention") -> int:
 
 def plan_tensor(attn: "splitkv.DecodeAttention") -> torch.Tensor:
     """The instance's current plan as a tensor: its device lengths (int32 [batch]), shared with the
-    plan, no copy. plan() again gives another one (a graph over the old one must be traced or
-    captured again, as for run() itself)."""
+    plan, no copy."""
     launch = attn._launch
     if launch is None:
         raise RuntimeError("plan_tensor() before plan(): call attn.plan(seq_lens) first")
@@ -69,10 +69,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: torch.Tensor, h
     """``DecodeAttention.run(q, k, v, sinks=sinks)`` of the instance ``handle`` names, under the plan
     ``plan`` (`plan_tensor`); the output in a new tensor of q's shape."""
     attn = _instance(handle)
-    current = attn._launch.seq_lens if attn._launch is not None else None
-    if current is None or plan.data_ptr() != current.data.ptr:
-        raise RuntimeError("plan: not this DecodeAttention's current plan (plan() ran since this call was traced "
-                           "or captured: trace or capture it again)")
+    if attn._launch is None:
+        raise RuntimeError("plan: this DecodeAttention has no plan yet; call attn.plan(seq_lens) outside the graph")
     out = torch.empty_like(q)
     attn.run(q, k, v, out=out, sinks=sinks)
     return out

@@ -1,6 +1,6 @@
 """splitkv's torch.library custom ops on the GPU (marker: gpu): ``torch.compile(fullgraph=True)``
 over a layer that calls ``torch.ops.splitkv.run``, plain and in its CUDA-graph mode, gives the bits
-of the eager run() under the same plan; the plan tensor of an older plan is refused."""
+of the eager run() under the same plan, and right against float64."""
 
 from __future__ import annotations
 
@@ -47,6 +47,3 @@ def test_compiled_run_gives_the_eager_bits(mode):
                                  1 / math.sqrt(head_dim), window_left=1000)
     err = np.abs(got.float().cpu().numpy() - ref).max() / np.abs(ref).max()
     assert err < 2e-2, f"compiled run: max error {err:.3e} of the output's scale"
-    attn.plan(lens, max_len=length, query_tokens=tokens, window_left=1000)  # a new plan: a new plan tensor
-    with pytest.raises(RuntimeError, match="current plan"):
-        torch.ops.splitkv.run(q, k, v, plan, handle)

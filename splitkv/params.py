@@ -116,6 +116,7 @@ MERGE = StructLayout((
     ("rows_per_slot", "int", "int"),          # split: a slot's rows (K/V heads x row_blocks x cta_rows)
     ("window_left", "int", "int"),            # split: -1, or the window (merge.cuh's window_begin)
     ("window_align", "int", "int"),           # split: the decode program's tile
+    ("empty_states", "int", "int"),           # 1 (merge_states): rows of no tokens merge to 0 and -inf
 ))
 
 #: The K/V quantizer's Params.

@@ -60,7 +60,9 @@ __device__ __forceinline__ int window_begin(int len, int query_tokens, int windo
 // One warp merges elements [d_begin, d_end) of partial row `row` (a span of at most SPAN elements;
 // lane takes d_begin + lane + 32 j) into output row `target.out_row()`, and writes the row's
 // log-sum-exp when the span starts the row; `target.sink2()`: the row's sink (sink_log2), -inf for
-// none. (Asked for after the partials are summed, so that nothing of them is live in the loop.)
+// none; `target.empty_value()` and `target.empty_lse()`: what a row whose weights sum to 0 (every
+// state empty) gives. (Asked for after the partials are summed, so that nothing of them is live in
+// the loop.)
 // Partial i's log-sum-exp is read from slot lse_slot0 + i lse_step (its o from slot i).
 template <int HEAD_DIM, int SPAN, typename out_t, class Target>
 __device__ __forceinline__ void merge_row_span(const float* __restrict__ partial_o, const float* __restrict__ partial_lse,
@@ -124,24 +126,29 @@ __device__ __forceinline__ void merge_row_span(const float* __restrict__ partial
         }
     }
     // NaN total: NaN, as are acc and m. The sink joins the denominator only (lse is the tokens').
-    const float inv = total != 0.f ? 1.f / (total + sink_weight(target.sink2(), m)) : NAN;
+    const float inv = total != 0.f ? 1.f / (total + sink_weight(target.sink2(), m)) : 0.f;
+    const bool empty = total == 0.f;
     const long long out_row = target.out_row();
     if (out_row < 0) return;  // a padding row of the last row block
 #pragma unroll
     for (int j = 0; j < PER_LANE; ++j) {
         const int d = d_begin + lane + 32 * j;
-        if (d < d_end) out[out_row * HEAD_DIM + d] = Elem<out_t>::from_float(acc[j] * inv);
+        if (d < d_end) out[out_row * HEAD_DIM + d] = Elem<out_t>::from_float(empty ? target.empty_value() : acc[j] * inv);
     }
     if (lse != nullptr && lane == 0 && d_begin == 0)
-        lse[out_row] = total != 0.f ? (m + __log2f(total)) * 0.69314718055994531f : NAN;
+        lse[out_row] = empty ? target.empty_lse() : (m + __log2f(total)) * 0.69314718055994531f;
 }
 
-// A merged row's place: its output row, and its sink (base 2; -inf for none).
+// A merged row's place: its output row, and its sink (base 2; -inf for none). A split row has
+// tokens in every split it merges, so weights that sum to 0 are every score -inf: NaN, as the
+// float64 math gives (-inf - -inf).
 struct RowTarget {
     long long row;
     float sink;
     __device__ __forceinline__ long long out_row() const { return row; }
     __device__ __forceinline__ float sink2() const { return sink; }
+    __device__ __forceinline__ float empty_value() const { return NAN; }
+    __device__ __forceinline__ float empty_lse() const { return NAN; }
 };
 
 // One warp merges the whole partial row `row` of sequence b into `target` (see merge_row_span).

@@ -46,6 +46,8 @@ struct MergedRow {
     int row;
     __device__ __forceinline__ long long out_row() const { return at.out_row(row); }
     __device__ __forceinline__ float sink2() const { return at.sink2(row); }
+    __device__ __forceinline__ float empty_value() const { return NAN; }  // see merge.cuh's RowTarget
+    __device__ __forceinline__ float empty_lse() const { return NAN; }
 };
 
 static_assert(!WARP_HEADS || QUERY_TOKENS == 1, "warp_heads: one query token per sequence");

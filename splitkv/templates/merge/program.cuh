@@ -21,6 +21,10 @@ struct Target {
     __device__ __forceinline__ float sink2() const {
         return splitkv::sink_log2(p.sinks, out_rows(p).head(row / p.cta_rows, row % p.cta_rows));
     }
+    // Weights that sum to 0: NaN for a decode's split rows (see merge.cuh's RowTarget); with
+    // empty_states, states of no tokens (merge_states), an empty result: zeros and -inf.
+    __device__ __forceinline__ float empty_value() const { return p.empty_states ? 0.f : NAN; }
+    __device__ __forceinline__ float empty_lse() const { return p.empty_states ? -INFINITY : NAN; }
 };
 
 // A split plan's rows: [batch][num_splits][rows_per_slot] partials (a slot's rows: K/V heads x row

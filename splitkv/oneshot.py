@@ -54,9 +54,7 @@ def decode(q, k, v, seq_lens=None, *, block_table=None, kv_layout: str = "NHD", 
     if paging and seq_lens is None:
         raise ValueError("seq_lens: a paged cache needs the lengths (its pages do not say them)")
     sm_scale = tensors.check_sm_scale(sm_scale)
-    attention = variants.PLAIN
-    if shapes.query_tokens > 1 or window_left != -1 or logits_soft_cap != 0.0 or sinks is not None:
-        attention = variants.check_variant(shapes.query_tokens, window_left, logits_soft_cap, sinks is not None)
+    attention = variants.plan_variant(shapes.query_tokens, window_left, logits_soft_cap, sinks is not None)
     with streams.on_device(device):
         launch_stream = arrays.stream_ptr(qi, stream)
         if seq_lens is None:

@@ -242,10 +242,7 @@ class DecodeAttention:
         if deterministic and (variant, num_splits, warp_heads, max_units) != (None, None, None, None):
             raise ValueError("deterministic: a batch-invariant plan takes none of variant, num_splits, warp_heads "
                              "and max_units (it fixes them)")
-        if query_tokens == 1 and window_left == -1 and logits_soft_cap == 0.0 and sinks is False:
-            attention = variants.PLAIN
-        else:
-            attention = variants.check_variant(query_tokens, window_left, logits_soft_cap, sinks)
+        attention = variants.plan_variant(query_tokens, window_left, logits_soft_cap, sinks)
         with self._in_call_order(seq_lens if on_device else None, stream):
             return self._plan(seq_lens, on_device, max_len, variant, num_splits, warp_heads, block_table, validate,
                               max_units, attention=attention, deterministic=deterministic)
@@ -288,12 +285,7 @@ class DecodeAttention:
                                 "contiguous caches (build it with page_size=... for paged ones)"))
         lens = seq_lens if checked else tensors.plan_lengths(seq_lens, max_len, on_device, self.device)
         batch = lens.size
-        if attention.query_tokens > 1 and int(lens.min(initial=attention.query_tokens)) < attention.query_tokens:
-            i = int(np.argmax(lens < attention.query_tokens))
-            raise ValueError(f"seq_lens: every length counts the {attention.query_tokens} new query tokens, so is "
-                             f"at least {attention.query_tokens}; got seq_lens[{i}] = {int(lens[i])}")
-        if attention.query_tokens > 1 and warp_heads:
-            raise ValueError("warp_heads: a warp per K/V head serves one query token per sequence")
+        attention.check_plan(lens, warp_heads)
         host_lens = lens  # what the plan covers
         if on_device and max_len is not None and int(max_len) > int(lens.max()):
             # The caller may rewrite these lengths in place up to max_len before a (graph) replay:

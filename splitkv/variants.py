@@ -57,6 +57,18 @@ class AttentionVariant:
         """``spec`` with this variant compiled in (``spec`` itself for plain attention)."""
         return spec if self.is_plain else spec.with_variant(*self.compiled)
 
+    def check_plan(self, lengths: np.ndarray, warp_heads) -> None:
+        """ValueError for what a plan of this variant cannot serve: lengths shorter than the query
+        tokens they count (host lengths; device ones are the caller's to keep), a warp per K/V head
+        with several query tokens."""
+        tokens = self.query_tokens
+        if tokens > 1 and int(lengths.min(initial=tokens)) < tokens:
+            i = int(np.argmax(lengths < tokens))
+            raise ValueError(f"seq_lens: every length counts the {tokens} new query tokens, so is at least "
+                             f"{tokens}; got seq_lens[{i}] = {int(lengths[i])}")
+        if tokens > 1 and warp_heads:
+            raise ValueError("warp_heads: a warp per K/V head serves one query token per sequence")
+
     def window_begin(self, lengths: np.ndarray, align: int) -> np.ndarray:
         """Each length's first token of the window (0 without one), rounded down to ``align``, as the
         programs compute it (merge.cuh: window_begin)."""
@@ -74,6 +86,13 @@ class AttentionVariant:
 
 
 PLAIN = AttentionVariant()
+
+
+def plan_variant(query_tokens=1, window_left=-1, logits_soft_cap=0.0, sinks=False) -> AttentionVariant:
+    """`check_variant`, with plain attention's defaults answered at once (plan()'s common case)."""
+    if query_tokens == 1 and window_left == -1 and logits_soft_cap == 0.0 and sinks is False:
+        return PLAIN
+    return check_variant(query_tokens, window_left, logits_soft_cap, sinks)
 
 
 def check_variant(query_tokens, window_left, logits_soft_cap, sinks) -> AttentionVariant:

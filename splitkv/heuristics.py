@@ -10,7 +10,7 @@ docs/experiments.md, under the names given here.
 from __future__ import annotations
 
 from .plan import FEW_SPLITS_MAX_BYTES
-from .spec import (ARCHS, QUANTIZED_KV_DTYPES, TMA_SWIZZLE_ROWS, KernelSpec, SharedMemoryError, arch_number,
+from .spec import (ARCHS, MAX_CTA_ROWS, QUANTIZED_KV_DTYPES, TMA_SWIZZLE_ROWS, KernelSpec, SharedMemoryError, arch_number,
                    rows_fit_tma_boxes)
 
 #: 32-bit registers per SM (the same from sm_80 through sm_120).
@@ -20,7 +20,8 @@ _SMEM_RESERVED_PER_CTA = 1024
 
 
 def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16", kv_dtype: str = "bf16",
-                 variant: str = "split", page_size: int = 0, kv_layout: str = "NHD") -> KernelSpec:
+                 variant: str = "split", page_size: int = 0, kv_layout: str = "NHD",
+                 query_tokens: int = 1) -> KernelSpec:
     """The built-in CTA shape: four warps, each streaming its own tiles through a ring in shared memory.
 
     On sm_90 and newer, K/V tiles arrive through tensor maps (``kv_copy="tma"``) wherever a row is a
@@ -47,6 +48,12 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     E2M1 decode is bound by instruction issue, runs eight warps three stages deep instead: more
     warps to issue the decode, where longer tiles were slower (Quantized K/V: "Built-in shapes").
 
+    Several query tokens per sequence (``query_tokens`` > 1) multiply the math per K/V byte by the
+    tokens: where tiles are 32 tokens or more, twice the warps take half as long tiles (the ring's
+    bytes the same), so that two warps share each SM sub-partition and one's math hides under the
+    other's wait; where the rows exceed one MMA tile (several row blocks per K/V head) no clusters
+    (docs/experiments.md: "Several query tokens: built-in shapes").
+
     Paged caches (``page_size`` > 0) keep these shapes; tensor maps take pages of 8 tokens and more
     (a box per page when pages are shorter than a tile), shorter pages per-lane copies; on pages
     shorter than 16 tokens the dense program takes the split's tiles.
@@ -70,11 +77,18 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
         warps, stages = 8, 3
     cluster = 16 if variant == "split" and arch_number(arch) >= 90 else 1
 
+    rows = group_size * query_tokens
+    if query_tokens > 1 and warps == 4 and tile >= 32:
+        warps, tile = 8, tile // 2
+    if rows > MAX_CTA_ROWS:
+        cluster = 1
+
     def shape(warps, tile, stages):
         return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype,
                           kv_dtype=kv_dtype, variant=variant, chunk_size=warps * tile, warps=warps,
                           tile_tokens=tile, stages=stages, cluster=cluster, kv_copy="tma" if tma else "cp_async",
-                          mma_m="tokens" if group_size <= 8 else "heads", page_size=page_size, kv_layout=kv_layout)
+                          mma_m="tokens" if rows <= 8 else "heads", page_size=page_size, kv_layout=kv_layout,
+                          query_tokens=query_tokens)
 
     # GPUs with 99 KB of shared memory per CTA (sm_86, sm_89, sm_120) cannot hold these rings: the
     # ring shrinks (shorter tiles, then fewer stages, then fewer warps) until the spec accepts it.

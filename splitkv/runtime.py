@@ -142,7 +142,10 @@ class DecodeAttention:
             if given is not None and given.warp_heads:
                 raise ValueError(f"{name}: warp_heads is chosen per plan, not per instance; "
                                  "use plan(..., warp_heads=True)")
-        base = spec or default_spec(self.arch, *layout, **paging)
+        # A given program's attention variant comes from each plan: its CTA shape is what it gives.
+        base = spec.with_variant() if spec is not None else default_spec(self.arch, *layout, **paging)
+        if dense_spec is not None:
+            dense_spec = dense_spec.with_variant()
         self.split_spec = base.replace(arch=self.arch, variant="split", **paging)
         if dense_spec is not None:
             self.dense_spec = dense_spec.replace(arch=self.arch, **paging).as_dense()
@@ -159,6 +162,11 @@ class DecodeAttention:
         self._key = TuneKey(head_dim, self.group_size, q_dtype, kv_dtype, self.page_size, kv_layout)
         if tuned and self._tuned_allowed:
             self._tuned = lookup.find(self.arch, gpu_name(self.device), self._key)
+        # Query tokens per sequence -> the tuned choices of that key (None: the built-in programs
+        # of that many tokens); looked up at the first plan of each count.
+        self._tuned_by_tokens = {1: self._tuned}
+        self._tables_searched = tuned and self._tuned_allowed
+        self._programs_tokens = 1  # the query tokens split_spec and dense_spec were chosen for
         self.tuned_source = self._tuned.source if self._tuned else None
         self.tuned_entry = None
         if unit_costs is not None and not isinstance(unit_costs, CostModel):
@@ -298,8 +306,8 @@ class DecodeAttention:
         tuned_forces_dense = False
         if deterministic:
             self._keep_own_programs()
-        elif self._tuned is not None:
-            tuned_forces_dense = self._use_tuned(batch * self.num_kv_heads, max_planned)
+        elif self._tuned_allowed and (self._tuned is not None or attention.query_tokens != self._programs_tokens):
+            tuned_forces_dense = self._use_tuned(attention.query_tokens, batch * self.num_kv_heads, max_planned)
         may_grow = host_lens is not lens
         if variant != "units" and max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")
@@ -424,17 +432,25 @@ class DecodeAttention:
         """The instance's own programs (its spec, or the built-in heuristic's), as it was built: what
         a batch-invariant plan launches, whichever tuned entry the last plan took."""
         split, dense = self._own_programs
+        self._programs_tokens = 1
         if not _same_spec(split, self.split_spec):
             self.split_spec = split
             self._whole_row_clusters = takes_whole_row_clusters(split)
         self.dense_spec, self.tuned_entry = dense, None
 
-    def _use_tuned(self, rows: int, max_len: int) -> bool:
-        """Take the programs of the tuned entry nearest this workload (`lookup.programs_for`); True
-        when the plan must be dense."""
-        entry = self._tuned.entry_for(rows, max_len)
-        split, dense, forced = lookup.programs_for(entry.spec if entry else None, self.arch, self._tuned.key, rows,
-                                                   self.num_sms)
+    def _use_tuned(self, query_tokens: int, rows: int, max_len: int) -> bool:
+        """Take the programs of the tuned entry of ``query_tokens`` tokens per sequence nearest this
+        workload, or the built-in ones of that many tokens where no table has the key
+        (`lookup.programs_for`); True when the plan must be dense."""
+        choices = self._tuned_by_tokens.get(query_tokens, False)
+        if choices is False:
+            key = self._key.with_query_tokens(query_tokens)
+            choices = lookup.find(self.arch, gpu_name(self.device), key) if self._tables_searched else None
+            self._tuned_by_tokens[query_tokens] = choices
+        key = choices.key if choices else self._key.with_query_tokens(query_tokens)
+        entry = choices.entry_for(rows, max_len) if choices else None
+        split, dense, forced = lookup.programs_for(entry.spec if entry else None, self.arch, key, rows, self.num_sms)
+        self._programs_tokens = query_tokens
         if not _same_spec(split, self.split_spec):
             self.split_spec = split  # _split_program follows
             self._whole_row_clusters = takes_whole_row_clusters(split)

@@ -174,6 +174,8 @@ def test_cli_tune_refuses_a_gpu_of_another_arch(tmp_path, capsys, monkeypatch):
     (["--arch", "sm90", "--tune", "--cost-model", "--devices", "0,x", "--storage", "j.log"], "--devices"),
     (["--arch", "sm90", "--tune", "--cost-model", "--emit", "kernels"], "--emit does not go with --tune"),
     (["--arch", "sm90", "--tune", "--cost-model", "--list"], "--list does not go with --tune"),
+    (["--arch", "sm90", "--tune", "--cost-model", "--query-tokens", "0"], "--query-tokens"),
+    (["--arch", "sm90", "--tune", "--cost-model", "--query-tokens", "2,x"], "--query-tokens"),
 ])
 def test_cli_tune_usage_errors(capsys, argv, message):
     """Workers without shared storage (one worker on another GPU too), no trials, a bad bucket, a
@@ -210,3 +212,16 @@ def test_the_report_plots_a_bandwidth_sweep(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"({png.name})" in (tmp_path / "summary.md").read_text()
     assert json.loads((tmp_path / "results.json").read_text())["sweeps"] == sweeps
+
+
+def test_query_tokens_are_keys_of_their_own(tmp_path, capsys):
+    """--query-tokens 1,4 tunes a key per count; the table holds both, the 4-token one named so."""
+    pytest.importorskip("optuna")
+    out = tmp_path / "tables"
+    assert cli.main(_tune_argv(tmp_path, "--cost-model", "--out", str(out), "--trials", "4",
+                               "--query-tokens", "4,1")) == 0
+    assert KEY.with_query_tokens(4).label in capsys.readouterr().out
+    table = tables.load(out / "sm_90" / "cost_model.yaml")
+    assert sorted(e.key.query_tokens for e in table.entries) == [1, 4]
+    (four,) = table.for_key(KEY.with_query_tokens(4))
+    assert four.spec is None or four.spec.query_tokens == 4

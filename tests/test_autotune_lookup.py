@@ -291,3 +291,71 @@ def test_runtime_ignores_the_table_when_told_or_given_programs(fake_gpu):
     assert mine.tuned_entry is None
     with pytest.raises(TypeError, match="tuned"):
         splitkv.DecodeAttention(32, 8, 128, tuned="yes")
+
+
+# ---- keys of several query tokens ----------------------------------------------------------------
+
+def test_query_token_keys_round_trip_and_name_themselves():
+    four = TuneKey(128, 4, query_tokens=4)
+    assert four.label == "d128-g4-bf16-bf16-contiguous-t4" and KEY.label == "d128-g4-bf16-bf16-contiguous"
+    assert four.to_dict()["query_tokens"] == 4 and "query_tokens" not in KEY.to_dict()
+    assert TuneKey.from_dict(four.to_dict()) == four and TuneKey.from_dict(KEY.to_dict()) == KEY
+    assert KEY.with_query_tokens(4) == four and four != KEY
+    for bad in (0, 17, True, 2.0):
+        with pytest.raises(ValueError, match="query_tokens"):
+            TuneKey(128, 4, query_tokens=bad)
+    with pytest.raises(ValueError, match="query_tokens"):
+        TuneKey.from_dict({**KEY.to_dict(), "query_tokens": "4"})
+
+
+def test_builtin_programs_of_several_query_tokens():
+    """Several tokens: twice the warps on half the tiles; rows past one MMA tile: no clusters; rows
+    past 8: the query heads x tokens on the MMA rows. The programs carry the tokens compiled in."""
+    plain = default_spec(ARCH, 128, 4)
+    two, four, eight = (default_spec(ARCH, 128, 4, query_tokens=t) for t in (2, 4, 8))
+    assert (plain.warps, plain.tile_tokens, plain.mma_m, plain.query_tokens) == (4, 32, "tokens", 1)
+    assert (two.warps, two.tile_tokens, two.mma_m, two.query_tokens, two.cluster) == (8, 16, "tokens", 2, 16)
+    assert (four.warps, four.tile_tokens, four.mma_m, four.cluster, four.row_blocks) == (8, 16, "heads", 16, 1)
+    assert (eight.cluster, eight.row_blocks) == (1, 2)
+    assert two.smem_bytes <= plain.smem_bytes + 4096  # the ring's bytes the same
+    split, dense, _ = lookup.programs(None, ARCH, KEY.with_query_tokens(4))
+    assert split == four and dense == default_spec(ARCH, 128, 4, "bf16", "bf16", "dense", query_tokens=4)
+    assert lookup.programs(TUNED_SPLIT.with_variant(4), ARCH, KEY.with_query_tokens(4))[0] == TUNED_SPLIT.with_variant(4)
+
+
+def _launched_tokens(record, attn, lens, tokens) -> KernelSpec:
+    attn.plan(lens, query_tokens=tokens)
+    first = len(record.launches)
+    cache = (len(lens), max(lens), attn.num_kv_heads, attn.head_dim)
+    bf16 = "<u2"
+    q = (len(lens), tokens, attn.num_qo_heads, attn.head_dim) if tokens > 1 else (len(lens), attn.num_qo_heads,
+                                                                                  attn.head_dim)
+    attn.run(_DeviceArray(q, bf16), _DeviceArray(cache, bf16), _DeviceArray(cache, bf16))
+    return record.launches[first].spec
+
+
+def test_runtime_takes_the_entry_of_the_plans_query_tokens(fake_gpu):
+    """A plan of 4 query tokens runs the table's entry of the 4-token key; of 2 tokens (no entry) the
+    built-in 2-token program; of one token the one-token entry, whatever was planned before."""
+    four_tokens = TUNED_SPLIT.replace(warps=8, tile_tokens=16, chunk_size=256).with_variant(4)
+    save_table(fake_gpu.tables, [entry("b1-l32k", TUNED_SPLIT),
+                                 entry("b1-l32k", four_tokens, key=KEY.with_query_tokens(4))])
+    attn = splitkv.DecodeAttention(32, 8, 128)
+    launched = _launched_tokens(fake_gpu, attn, [32768], 4)
+    assert _shape(launched) == _shape(four_tokens) and launched.query_tokens == 4
+    assert attn.tuned_entry.key == KEY.with_query_tokens(4)
+    launched = _launched_tokens(fake_gpu, attn, [32768], 2)
+    builtin_two = default_spec(ARCH, 128, 4, query_tokens=2)
+    assert _shape(launched) == _shape(builtin_two) and launched.query_tokens == 2 and attn.tuned_entry is None
+    launched = _launched_tokens(fake_gpu, attn, [32768], 1)
+    assert _shape(launched) == _shape(TUNED_SPLIT) and launched.query_tokens == 1
+
+
+def test_without_tables_plans_of_one_token_after_several_run_the_one_token_program(fake_gpu):
+    attn = splitkv.DecodeAttention(32, 8, 128, tuned=False)
+    assert _launched_tokens(fake_gpu, attn, [4096], 4).query_tokens == 4
+    launched = _launched_tokens(fake_gpu, attn, [4096], 1)
+    assert launched.query_tokens == 1 and _shape(launched) == _shape(default_spec(ARCH, 128, 4))
+    # A program given with a variant compiled in is taken for its CTA shape: plans bring the tokens.
+    given = splitkv.DecodeAttention(32, 8, 128, spec=default_spec(ARCH, 128, 4, query_tokens=4))
+    assert _launched_tokens(fake_gpu, given, [4096], 1).query_tokens == 1

@@ -51,16 +51,18 @@ def _numpy_as_cupy(monkeypatch):
 
     shim = types.SimpleNamespace(**{name: getattr(np, name) for name in (
         "float16", "float32", "float64", "uint16", "uint32", "nan", "einsum", "exp", "stack", "asarray", "isfinite",
-        "abs", "empty_like", "random")}, asnumpy=np.asarray)
+        "abs", "empty_like", "random", "arange", "where", "inf")}, asnumpy=np.asarray)
     monkeypatch.setitem(sys.modules, "cupy", shim)
     return np
 
 
 @pytest.mark.parametrize("key", [TuneKey(64, 4), TuneKey(128, 8, "fp16", "fp16"), TuneKey(64, 2, page_size=16),
-                                 TuneKey(64, 2, page_size=8, kv_layout="HND")], ids=lambda k: k.label)
+                                 TuneKey(64, 2, page_size=8, kv_layout="HND"), TuneKey(64, 2, query_tokens=4)],
+                         ids=lambda k: k.label)
 def test_the_objectives_inputs_and_reference(monkeypatch, key):
     """The GPU objective's inputs are random values of the key's type (never zeros), its reference
-    is float64 attention over each sequence's own tokens (ragged lengths), a paged cache holds the
+    is float64 attention over each sequence's own tokens (ragged lengths; with several query
+    tokens, causal among them), a paged cache holds the
     same rows behind its block table, and the check passes the reference rounded to the output
     type and fails a poisoned output."""
     np = _numpy_as_cupy(monkeypatch)
@@ -71,7 +73,8 @@ def test_the_objectives_inputs_and_reference(monkeypatch, key):
     lens = [37, 100, 64]
     inputs = measure.BucketInputs(key, lens, seed=5)
     q64 = measure._as_f64(inputs.q, key.q_dtype)
-    assert q64.shape == (3, 8 * key.group_size, key.head_dim) and np.count_nonzero(q64) == q64.size
+    tokens = (key.query_tokens,) if key.query_tokens > 1 else ()
+    assert q64.shape == (3, *tokens, 8 * key.group_size, key.head_dim) and np.count_nonzero(q64) == q64.size
     k, v = inputs.k, inputs.v
     if key.page_size:
         k = gather_pages(k, inputs.block_table, lens, key.kv_layout, max(lens))
@@ -79,6 +82,7 @@ def test_the_objectives_inputs_and_reference(monkeypatch, key):
     k64, v64 = measure._as_f64(np.asarray(k), key.kv_dtype), measure._as_f64(np.asarray(v), key.kv_dtype)
     want, _ = attention_reference(q64, k64, v64, lens)
     np.testing.assert_allclose(inputs.ref, want, rtol=1e-12, atol=1e-12)
+    assert inputs.ref.shape == q64.shape
     assert inputs.bytes_moved == 2 * sum(lens) * 8 * key.head_dim * 2 + 2 * q64.size * 2
 
     rounded = inputs.ref.astype(np.float32)

@@ -26,8 +26,9 @@ DEFAULT_TRIALS = 20
 DEFAULT_ITERS = 20
 
 
-def keys_for(arch: str, head_dims, group_sizes, kv_dtypes, page_sizes, kv_layout) -> list[TuneKey]:
-    """The keys to tune: 16-bit K/V with queries of their own type, quantized ones with bf16 queries."""
+def keys_for(arch: str, head_dims, group_sizes, kv_dtypes, page_sizes, kv_layout, query_tokens=(1,)) -> list[TuneKey]:
+    """The keys to tune: 16-bit K/V with queries of their own type, quantized ones with bf16 queries;
+    each for every count of ``query_tokens`` per sequence."""
     head_dims = head_dims or DEFAULT_HEAD_DIMS
     group_sizes = group_sizes or DEFAULT_GROUPS
     kv_dtypes = kv_dtypes or tuple(d for d in spec_module.KV_DTYPES if d not in spec_module.QUANTIZED_KV_DTYPES
@@ -40,8 +41,9 @@ def keys_for(arch: str, head_dims, group_sizes, kv_dtypes, page_sizes, kv_layout
                 continue
             for group in group_sizes:
                 for page_size in page_sizes or (0,):
-                    keys.append(TuneKey(head_dim, group, q_dtype, kv_dtype, page_size,
-                                        kv_layout if page_size else "NHD"))
+                    for tokens in query_tokens:
+                        keys.append(TuneKey(head_dim, group, q_dtype, kv_dtype, page_size,
+                                            kv_layout if page_size else "NHD", tokens))
     return keys
 
 
@@ -57,6 +59,9 @@ def add_arguments(p) -> None:
     g.add_argument("--study", default="", metavar="NAME", help="prefix of the study names (default none)")
     g.add_argument("--devices", default=None, metavar="0,1",
                    help="one worker process per listed GPU (a GPU listed twice runs two workers); needs --storage")
+    g.add_argument("--query-tokens", dest="query_tokens", default="1", metavar="T,...",
+                   help="query tokens per sequence of the keys tuned (default 1; e.g. 1,2,4,8 for "
+                        "speculative verification: each count is a key of its own)")
     g.add_argument("--bucket", dest="buckets", action="append", metavar="NAME,...",
                    help="workload buckets, e.g. b1-l32k (default: " + ",".join(b.name for b in BUCKETS) + ")")
     g.add_argument("--out", type=path_arg, default=None, metavar="DIR",
@@ -101,7 +106,11 @@ def run_description(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, 
     if arch != f"sm_{spec_module.arch_number(arch)}":
         parser.error(f"--arch: tune {arch.rstrip('a')}, not {arch}: the runtime looks tables up by the GPU's "
                      f"compute capability, and arch-specific programs are not tuned separately")
-    keys = keys_for(arch, head_dims, group_sizes, kv_dtypes, page_sizes, args.kv_layout)
+    try:
+        tokens = sorted({int(t) for t in str(args.query_tokens).split(",") if t.strip()})
+        keys = keys_for(arch, head_dims, group_sizes, kv_dtypes, page_sizes, args.kv_layout, tokens or (1,))
+    except ValueError as e:
+        parser.error(f"--query-tokens: {e}")
     check_flags(args, parser, keys, buckets)
     return TuneRun(arch=arch, keys=tuple(keys), buckets=tuple(buckets), trials=args.trials, iters=args.iters,
                    seed=args.seed, timeout=args.timeout, storage=args.storage, study_prefix=args.study,

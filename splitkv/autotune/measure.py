@@ -141,7 +141,7 @@ class GpuObjective(Objective):
                                    **paging)
             if self.served is not None and self.served.spec == spec:  # by its entry's rules, as served
                 attn.tuned_entry = self.served
-        attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant)
+        attn.plan(inp.seq_lens, block_table=inp.block_table, variant=variant, query_tokens=k.query_tokens)
         return attn
 
     def _checked(self, spec: KernelSpec | None, inp: "BucketInputs", variant: str | None):
@@ -233,7 +233,8 @@ class BucketInputs:
         hkv, g, d = REFERENCE_KV_HEADS, key.group_size, key.head_dim
         self.seq_lens = [int(n) for n in seq_lens]
         batch, length = len(self.seq_lens), max(self.seq_lens)
-        q = _random(rng, (batch, hkv * g, d), key.q_dtype)
+        tokens = key.query_tokens
+        q = _random(rng, (batch, tokens, hkv * g, d) if tokens > 1 else (batch, hkv * g, d), key.q_dtype)
         quantized = key.kv_dtype in QUANTIZED_KV_DTYPES
         k16 = _random(rng, (batch, length, hkv, d), "bf16" if quantized else key.kv_dtype)
         v16 = _random(rng, (batch, length, hkv, d), "bf16" if quantized else key.kv_dtype)
@@ -253,8 +254,9 @@ class BucketInputs:
         # What the programs read: every sequence's own tokens (the cache past them is never read).
         kv_bytes = kv_bytes * sum(self.seq_lens) // (batch * length)
         q64 = _as_f64(q, key.q_dtype)
+        q64 = q64.reshape(batch, tokens, hkv * g, d)
         self.ref = cupy.stack([_reference(q64[b], *values(b, n), 1.0 / math.sqrt(d))
-                               for b, n in enumerate(self.seq_lens)])
+                               for b, n in enumerate(self.seq_lens)]).reshape(q.shape)
         self.block_table = None
         if key.page_size:
             k, v, self.block_table = _paged(k, v, key, batch, length, seed)
@@ -303,17 +305,21 @@ def _nbytes(x) -> int:
 
 
 def _reference(q, k, v, scale):
-    """float64 attention of one sequence: q [Hq, D], k and v [n, Hkv, D] -> [Hq, D]."""
+    """float64 attention of one sequence: q [T, Hq, D] (its last T tokens, each attending to the
+    positions up to its own), k and v [n, Hkv, D] -> [T, Hq, D]."""
     import cupy
 
-    hq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(hkv, hq // hkv, d)
-    logits = cupy.einsum("hgd,nhd->hgn", qg, k) * scale
+    tokens, hq, d = q.shape
+    n, hkv = k.shape[:2]
+    qg = q.reshape(tokens, hkv, hq // hkv, d)
+    logits = cupy.einsum("thgd,nhd->thgn", qg, k) * scale
+    position = n - tokens + cupy.arange(tokens)
+    attended = cupy.arange(n)[None, :] <= position[:, None]  # [T, n]: causal among the new tokens
+    logits = cupy.where(attended[:, None, None, :], logits, -cupy.inf)
     logits -= logits.max(axis=-1, keepdims=True)
     p = cupy.exp(logits)
-    out = cupy.einsum("hgn,nhd->hgd", p, v) / p.sum(axis=-1)[..., None]
-    return out.reshape(hq, d)
+    out = cupy.einsum("thgn,nhd->thgd", p, v) / p.sum(axis=-1)[..., None]
+    return out.reshape(tokens, hq, d)
 
 
 def _paged(k, v, key: TuneKey, batch: int, length: int, seed: int):

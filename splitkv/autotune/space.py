@@ -68,7 +68,8 @@ def _builtin_warps(key: TuneKey, arch: str) -> frozenset:
     from ..heuristics import default_spec
 
     return frozenset(default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype, variant,
-                                  key.page_size, key.kv_layout).warps for variant in ("split", "dense"))
+                                  key.page_size, key.kv_layout, key.query_tokens).warps
+                     for variant in ("split", "dense"))
 
 
 def build_spec(ask, key: TuneKey, arch: str) -> KernelSpec:

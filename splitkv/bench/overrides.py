@@ -74,10 +74,14 @@ def builtin_spec(shape: Shape, arch: str) -> KernelSpec:
     key = dict(head_dim=shape.head_dim, group_size=shape.group_size, q_dtype="bf16", kv_dtype=shape.kv_dtype)
     try:
         from ..heuristics import default_spec
-
-        return default_spec(arch=arch, **key)
-    except (ImportError, AttributeError, TypeError, ValueError):
+    except ImportError:
         return KernelSpec(arch=arch, **key)
+    for tokens in ({"query_tokens": shape.query_tokens} if shape.query_tokens > 1 else {}, {}):
+        try:  # the shape of that many query tokens where the heuristic has one (not before it did)
+            return default_spec(arch=arch, **key, **tokens)
+        except (AttributeError, TypeError, ValueError):
+            continue
+    return KernelSpec(arch=arch, **key)
 
 
 def spec_for_shape(overrides: dict, shape: Shape, arch: str, base: KernelSpec | None = None) -> KernelSpec:

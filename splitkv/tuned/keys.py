@@ -2,7 +2,8 @@
 (`Bucket`), and the GPU (its name, as a table's file name).
 
 A key's fields are the KernelSpec fields a caller fixes (head_dim, group size, dtypes, cache
-layout); everything else in a KernelSpec is a tuning choice (`splitkv.autotune.space`). A bucket is
+layout, and the query tokens per sequence, which change the best CTA shape: several tokens fill
+the MMA rows that one token leaves to the query heads); everything else in a KernelSpec is a tuning choice (`splitkv.autotune.space`). A bucket is
 one representative decode step: ``batch`` sequences of ``seq_len`` tokens with
 ``REFERENCE_KV_HEADS`` K/V heads each. Lookup takes the bucket nearest to a plan's (rows, longest
 length), rows being sequences x K/V heads, in log space: a step of 8 sequences of one K/V head
@@ -11,11 +12,12 @@ finds the bucket of one sequence of 8 heads, which runs the same CTAs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 
-from ..spec import HEAD_DIMS, KV_DTYPES, KV_LAYOUTS, MAX_GROUP, PAGE_SIZES, Q_DTYPES
+from ..spec import HEAD_DIMS, KV_DTYPES, KV_LAYOUTS, MAX_GROUP, MAX_QUERY_TOKENS, PAGE_SIZES, Q_DTYPES
 
 #: K/V heads of every bucket's representative shape (Hq = group x this).
 REFERENCE_KV_HEADS = 8
@@ -35,6 +37,8 @@ class TuneKey:
     kv_dtype: str = "bf16"
     page_size: int = 0          # 0: contiguous caches
     kv_layout: str = "NHD"
+    query_tokens: int = 1       # query tokens per sequence (speculative verification); windows,
+    #                             soft-caps and sinks cost the same whatever the shape, and key nothing
 
     def __post_init__(self):
         for name, allowed in (("head_dim", HEAD_DIMS), ("q_dtype", Q_DTYPES), ("kv_dtype", KV_DTYPES),
@@ -44,6 +48,9 @@ class TuneKey:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
                 or not 1 <= self.group_size <= MAX_GROUP:
             raise ValueError(f"group_size: expected an int in 1..{MAX_GROUP}, got {self.group_size!r}")
+        if isinstance(self.query_tokens, bool) or not isinstance(self.query_tokens, int) \
+                or not 1 <= self.query_tokens <= MAX_QUERY_TOKENS:
+            raise ValueError(f"query_tokens: expected an int in 1..{MAX_QUERY_TOKENS}, got {self.query_tokens!r}")
 
     @property
     def layout(self) -> str:
@@ -54,28 +61,39 @@ class TuneKey:
 
     @property
     def label(self) -> str:
-        """'d128-g4-bf16-bf16-contiguous': a study name's middle part."""
-        return f"d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-{self.layout}"
+        """'d128-g4-bf16-bf16-contiguous' ('...-contiguous-t4' for 4 query tokens): a study name's middle part."""
+        tokens = f"-t{self.query_tokens}" if self.query_tokens > 1 else ""
+        return f"d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-{self.layout}{tokens}"
+
+    def with_query_tokens(self, query_tokens: int) -> "TuneKey":
+        return dataclasses.replace(self, query_tokens=int(query_tokens))
 
     def spec_fields(self) -> dict:
         """The KernelSpec fields the key fixes."""
         return dict(head_dim=self.head_dim, group_size=self.group_size, q_dtype=self.q_dtype,
-                    kv_dtype=self.kv_dtype, page_size=self.page_size, kv_layout=self.kv_layout)
+                    kv_dtype=self.kv_dtype, page_size=self.page_size, kv_layout=self.kv_layout,
+                    query_tokens=self.query_tokens)
 
     def to_dict(self) -> dict:
-        return dict(head_dim=self.head_dim, group_size=self.group_size, q_dtype=self.q_dtype,
-                    kv_dtype=self.kv_dtype, layout=self.layout)
+        """The key as a table holds it (``query_tokens`` only where it is more than one)."""
+        out = dict(head_dim=self.head_dim, group_size=self.group_size, q_dtype=self.q_dtype,
+                   kv_dtype=self.kv_dtype, layout=self.layout)
+        if self.query_tokens > 1:
+            out["query_tokens"] = self.query_tokens
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "TuneKey":
-        unknown = set(data) - {"head_dim", "group_size", "q_dtype", "kv_dtype", "layout"}
+        unknown = set(data) - {"head_dim", "group_size", "q_dtype", "kv_dtype", "layout", "query_tokens"}
         if unknown:
             raise ValueError(f"key: unknown fields {sorted(unknown)}")
         missing = {"head_dim", "group_size"} - set(data)
         if missing:
             raise ValueError(f"key: lacks {sorted(missing)}")
         # The constructor checks values against their choices, where 128.0 and True pass for ints.
-        for name in ("head_dim", "group_size"):
+        for name in ("head_dim", "group_size", "query_tokens"):
+            if name not in data:
+                continue
             if isinstance(data[name], bool) or not isinstance(data[name], int):
                 raise ValueError(f"key: {name}: expected an int, got {data[name]!r}")
         for name in ("q_dtype", "kv_dtype", "layout"):
@@ -83,7 +101,8 @@ class TuneKey:
                 raise ValueError(f"key: {name}: expected a name, got {data[name]!r}")
         page_size, kv_layout = parse_layout(data.get("layout", "contiguous"))
         return cls(head_dim=data["head_dim"], group_size=data["group_size"], q_dtype=data.get("q_dtype", "bf16"),
-                   kv_dtype=data.get("kv_dtype", "bf16"), page_size=page_size, kv_layout=kv_layout)
+                   kv_dtype=data.get("kv_dtype", "bf16"), page_size=page_size, kv_layout=kv_layout,
+                   query_tokens=data.get("query_tokens", 1))
 
 
 _LAYOUT_RE = re.compile(r"^p(\d+)(-HND|-NHD)?$")

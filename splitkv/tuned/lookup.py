@@ -145,10 +145,9 @@ def programs(spec: KernelSpec | None, arch: str, key: TuneKey) -> tuple[KernelSp
     those only (`programs_for`). The tuner measures each candidate planned this way, so what it
     measured is what the runtime runs."""
     fields = key.spec_fields()
-    builtin_split = default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype, "split",
-                                 key.page_size, key.kv_layout)
-    builtin_dense = default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype, "dense",
-                                 key.page_size, key.kv_layout)
+    builtin_split, builtin_dense = (default_spec(arch, key.head_dim, key.group_size, key.q_dtype, key.kv_dtype,
+                                                 variant, key.page_size, key.kv_layout, key.query_tokens)
+                                    for variant in ("split", "dense"))
     if spec is None:
         return builtin_split, builtin_dense, False
     spec = spec.replace(arch=arch, **fields)

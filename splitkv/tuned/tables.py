@@ -31,6 +31,8 @@
       plan: "split: B=1, 16 x 2048 tokens ..."  # how the winner planned the bucket (optional)
       planner: short-rows       # the split-count rules it was measured under (absent: waves)
       exhaustive: {best_us: 37.8, points: 252, trials_to_within_3pct: 17}   # when it was run
+    - key: {head_dim: 128, group_size: 4, q_dtype: bf16, kv_dtype: bf16, layout: contiguous, query_tokens: 4}
+      ...                       # plans of 4 query tokens per sequence (absent: one)
 
 ``unit_costs`` (`UnitCosts`, from `splitkv-gen --tune --unit-costs`) holds the work-unit planner's
 cost model measured on this GPU (`splitkv.work_units.CostModel`), which the runtime plans units
@@ -107,7 +109,7 @@ REQUIRED_ENTRY_FIELDS = ("key", "bucket", "spec", "tuned_us", "default_us", "tri
 EXHAUSTIVE_COUNTS = ("points", "failed", "trials_to_within_3pct")
 EXHAUSTIVE_FIGURES = ("best_us", "tuned_spec_us", "builtin_spec_us")
 #: KernelSpec fields an entry's spec leaves out: the table's arch, and the key's fields.
-_KEY_SPEC_FIELDS = ("arch", "head_dim", "group_size", "q_dtype", "kv_dtype", "page_size", "kv_layout")
+_KEY_SPEC_FIELDS = ("arch", "head_dim", "group_size", "q_dtype", "kv_dtype", "page_size", "kv_layout", "query_tokens")
 #: Fields of programs KernelSpec no longer has, which tables written before they went hold with
 #: their off value in every spec: at that value they are skipped (the spec names the same program);
 #: any other value names a program that cannot be built, and the table is refused.

@@ -52,8 +52,8 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     tokens: where tiles are 32 tokens or more, twice the warps take half as long tiles (the ring's
     bytes the same), so that two warps share each SM sub-partition and one's math hides under the
     other's wait; where the rows exceed one MMA tile (several row blocks per K/V head) no clusters
-    (docs/experiments.md: "Several query tokens: built-in shapes"; measured at head_dim 128 with BF16
-    K/V, other head dims and FP8 follow unmeasured).
+    (docs/experiments.md: "Several query tokens: built-in shapes"; measured at head_dim 64 and 128,
+    BF16 and FP8).
 
     Paged caches (``page_size`` > 0) keep these shapes; tensor maps take pages of 8 tokens and more
     (a box per page when pages are shorter than a tile), shorter pages per-lane copies; on pages

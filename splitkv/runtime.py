@@ -442,12 +442,11 @@ class DecodeAttention:
         """Take the programs of the tuned entry of ``query_tokens`` tokens per sequence nearest this
         workload, or the built-in ones of that many tokens where no table has the key
         (`lookup.programs_for`); True when the plan must be dense."""
+        key = self._key.with_query_tokens(query_tokens)
         choices = self._tuned_by_tokens.get(query_tokens, False)
         if choices is False:
-            key = self._key.with_query_tokens(query_tokens)
             choices = lookup.find(self.arch, gpu_name(self.device), key) if self._tables_searched else None
             self._tuned_by_tokens[query_tokens] = choices
-        key = choices.key if choices else self._key.with_query_tokens(query_tokens)
         entry = choices.entry_for(rows, max_len) if choices else None
         split, dense, forced = lookup.programs_for(entry.spec if entry else None, self.arch, key, rows, self.num_sms)
         self._programs_tokens = query_tokens

@@ -142,14 +142,16 @@ def saturating_ctas(spec: KernelSpec) -> int | None:
     """CTAs of ``spec`` whose rings together hold `SATURATING_BYTES_IN_FLIGHT` (times
     `SHORT_PAGE_IN_FLIGHT_FACTOR` on pages shorter than a tile), for the planner's short-row rule
     (`plan.plan_splits`). None for NVFP4, whose decode is bound by instruction issue (see
-    `takes_whole_row_clusters`): every CTA an SM holds counts."""
+    `takes_whole_row_clusters`): every CTA an SM holds counts. A K/V head of several row blocks
+    has each block's CTA read the same bytes, so its CTAs count once per row block (they hold
+    1 / row_blocks of the distinct bytes in flight that HBM sees)."""
     if spec.kv_dtype == "nvfp4":
         return None
     in_flight = SATURATING_BYTES_IN_FLIGHT
     if _short_pages(spec):
         numerator, denominator = SHORT_PAGE_IN_FLIGHT_FACTOR[spec.kv_copy]
         in_flight = in_flight * numerator // denominator
-    return -(-in_flight // spec.smem_bytes)
+    return spec.row_blocks * -(-in_flight // spec.smem_bytes)
 
 
 def few_splits_max_bytes(spec: KernelSpec) -> int:

@@ -252,6 +252,10 @@ def test_saturating_ctas_count_the_bytes_in_flight():
     assert saturating_ctas(paged16) == -(-SATURATING_BYTES_IN_FLIGHT * 4 // 3 // paged16.smem_bytes) == 63
     assert saturating_ctas(default_spec("sm_90", 128, 4, page_size=64)) == 47
     assert saturating_ctas(default_spec("sm_90", 128, 4, kv_dtype="nvfp4")) is None
+    # Several row blocks per K/V head read the same bytes: each block's CTAs count once.
+    t8 = default_spec("sm_90", 128, 4, query_tokens=8)
+    assert t8.row_blocks == 2
+    assert saturating_ctas(t8) == 2 * -(-SATURATING_BYTES_IN_FLIGHT // t8.smem_bytes)
 
 
 def test_the_short_row_rule_takes_shorter_splits_on_boxed_short_pages():

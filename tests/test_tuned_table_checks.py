@@ -262,7 +262,9 @@ def test_a_cut_between_entries_says_so(tmp_path):
     path = tmp_path / "cut.yaml"
     text = SHIPPED.read_text()
     path.write_text(text[:text.rindex("\n- key:") + 1])
-    with pytest.raises(tables.TableError, match="lists 143 entries where its header counts 144: the file was cut"):
+    count = len(tables.load(SHIPPED).entries)
+    with pytest.raises(tables.TableError,
+                       match=f"lists {count - 1} entries where its header counts {count}: the file was cut"):
         tables.load(path)
 
 
@@ -352,7 +354,7 @@ def test_a_schema_1_table_cut_short_cannot_be_told():
     """Why schema 2: the same cut between entries, which schema 2 refuses, reads as a smaller table."""
     text = schema_1_text()
     cut = text[:text.rindex("\n- key:") + 1]
-    assert len(tables.parse_text(cut, "schema 1 cut").entries) == 143
+    assert len(tables.parse_text(cut, "schema 1 cut").entries) == len(tables.load(SHIPPED).entries) - 1
 
 
 def test_an_entry_edited_by_hand_is_refused_until_rewritten(tmp_path):

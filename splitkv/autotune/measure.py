@@ -95,8 +95,12 @@ class GpuObjective(Objective):
         n = self.bucket.seq_len
         lens = [max(n - 37, 1), n // 3 + 5]
         # A dense winner is forced where it serves (two sequences alone would be split); a split one
-        # also runs as the units program the runtime takes for ragged batches.
-        variants = ["dense"] if spec.variant == "dense" else [None, "units"]
+        # also runs as the units program the runtime takes for ragged batches, where it takes one
+        # (not for rows of several row blocks per K/V head: see DecodeAttention.plan).
+        if spec.variant == "dense":
+            variants = ["dense"]
+        else:
+            variants = [None, "units"] if spec.row_blocks == 1 else [None]
         variant = variants[0]
         try:
             with self.harness.active():

@@ -22,10 +22,10 @@ import threading
 import numpy as np
 
 from . import arrays, gpu, planning, streams, tensors, variants
-from .heuristics import (default_spec, few_splits_max_bytes, resident_ctas_per_sm, saturating_ctas,
-                         takes_whole_row_clusters)
+from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clusters
 from .launch import MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart, read_array, read_arrays
 from .plan import SplitPlan
+from .program_cache import ProgramCache, same_spec
 from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 from .tuned import lookup
@@ -34,26 +34,6 @@ from .workspace import Workspace, check_table
 from .work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS, CostModel, UnitPlan
 
 _LOG2E = 1.4426950408889634
-
-
-@dataclasses.dataclass
-class _SplitProgram:
-    """What plan() derives from one split program, kept while that program stays
-    (`DecodeAttention._split_program`): building or validating a spec costs tens of µs."""
-
-    spec: KernelSpec
-    ctas_per_sm: int  # resident CTAs per SM (its registers bound them)
-    saturating: int | None  # `heuristics.saturating_ctas`
-    few_splits_max_bytes: int  # `heuristics.few_splits_max_bytes`
-    clustered: dict = dataclasses.field(default_factory=dict)  # cluster size -> the program in such clusters
-    cluster_fit: dict = dataclasses.field(default_factory=dict)  # cluster size -> clusters resident at once
-
-    def in_clusters(self, cluster: int) -> KernelSpec:
-        """The split program with ``cluster`` CTAs per thread-block cluster."""
-        spec = self.clustered.get(cluster)
-        if spec is None:
-            spec = self.clustered[cluster] = self.spec.replace(cluster=cluster)
-        return spec
 
 
 class DecodeAttention:
@@ -184,11 +164,8 @@ class DecodeAttention:
         self._validated: tuple = (None, None, (), None)
         self._cuda = cupy.cuda.runtime  # its getDevice: run()'s check that no device switch is needed
         self._arguments: dict[int, Arguments] = {}  # thread id -> that thread's launch structs
-        self._split: _SplitProgram | None = None  # what plans derive from the split program
-        self._derived: dict[str, tuple] = {}  # what derives from a program, see _kept
-        self._variants: dict[str, tuple] = {}  # a program with a plan's attention variant, see _with_variant
+        self._programs = ProgramCache(self.device)  # loaded programs, and the specs derived from them
         self._unit_merge_spec = dataclasses.replace(self.merge_spec, tables=True)  # units plans' merge program
-        self._loaded: dict[int, tuple] = {}  # id(spec) -> (spec, function, compile result), see _load
         self._tensor_maps = TensorMapCache()  # kv_copy='tma': the caches' maps, encoded once each
         self._order = streams.StreamOrder()  # plan() and run() in call order across streams
         self._workspace = Workspace(self._order)
@@ -315,8 +292,8 @@ class DecodeAttention:
         # attention), and the rows the planner sees: a K/V head's row blocks each (several CTAs
         # share a head whose query heads x tokens exceed one MMA tile), over the tokens the
         # programs stream (with a window, the window's).
-        split_spec = self._with_variant("split", self.split_spec, attention)
-        dense_spec = self._with_variant("dense", self.dense_spec, attention)
+        split_spec = self._programs.with_variant("split", self.split_spec, attention)
+        dense_spec = self._programs.with_variant("dense", self.dense_spec, attention)
         row_heads = self.num_kv_heads * split_spec.row_blocks
         units_allowed = attention.window_left < 0 and split_spec.row_blocks == 1
         if variant == "units" and not units_allowed:
@@ -329,18 +306,18 @@ class DecodeAttention:
         streamed = int(planned.max(initial=0))
         if variant == "units":  # the units program's slots; the split program is not loaded for it
             planning.check_units_request(max_planned, may_grow=may_grow, num_splits=num_splits, warp_heads=warp_heads)
-            units_spec = self._with_variant("units", self._units_spec(), attention)
-            _, compiled = self._load(units_spec)
+            units_spec = self._programs.with_variant("units", self._units_spec(), attention)
+            _, compiled = self._programs.load(units_spec)
             gpu = planning.GpuFacts(self.num_sms, resident_ctas_per_sm(units_spec, compiled.registers))
             in_clusters = None
         else:
-            program = self._split_program(split_spec)
+            program = self._programs.split_program(split_spec)
             gpu = planning.GpuFacts(self.num_sms, program.ctas_per_sm, program.saturating,
                                     program.few_splits_max_bytes, self._max_active_clusters)
             in_clusters = program.in_clusters
         programs = planning.Programs(split_spec, dense_spec, self.tuned_entry, tuned_forces_dense,
-                                     self.unit_costs, lambda: self._with_variant("packed", self._packed_dense_spec(), attention),
-                                     lambda: self._with_variant("units", self._units_spec(), attention), in_clusters,
+                                     self.unit_costs, lambda: self._programs.with_variant("packed", self._packed_dense_spec(), attention),
+                                     lambda: self._programs.with_variant("units", self._units_spec(), attention), in_clusters,
                                      self._whole_row_clusters)
         choice = planning.choose_plan(planned, streamed, row_heads, programs, gpu, may_grow=may_grow,
                                       variant=variant, num_splits=num_splits,
@@ -352,8 +329,8 @@ class DecodeAttention:
                                     spec, attention)
         # Everything that may raise comes before the first write to a buffer the live plan uses.
         checked_table = check_table(block_table, lens, host_lens, validate, self.page_size, self.device) if self.page_size else None
-        decode_fn, _ = self._load(spec)
-        merge_fn = self._load(self.merge_spec)[0] if choice.merge else None
+        decode_fn, _ = self._programs.load(spec)
+        merge_fn = self._programs.load(self.merge_spec)[0] if choice.merge else None
         grid = (plan.num_splits, row_heads // plan.heads_per_cta, batch)
         if max(grid[1], grid[2]) > _MAX_GRID_YZ:
             raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "
@@ -375,65 +352,21 @@ class DecodeAttention:
                               attention=attention)
         return plan
 
-    def _split_program(self, spec: KernelSpec | None = None) -> _SplitProgram:
-        """The split program's (``spec``, default the instance's) resident CTAs per SM, saturating
-        CTAs and derived programs (`_SplitProgram`), kept while that program stays."""
-        spec = self.split_spec if spec is None else spec
-        held = self._split
-        if held is None or not _same_spec(held.spec, spec):
-            _, compiled = self._load(spec)
-            held = self._split = _SplitProgram(spec, resident_ctas_per_sm(spec, compiled.registers),
-                                               saturating_ctas(spec), few_splits_max_bytes(spec))
-        return held
-
-    def _kept(self, name: str, source: KernelSpec, derive) -> KernelSpec:
-        """``derive(source)``, kept under ``name`` while ``source`` stays (building and validating a
-        spec is a sizeable part of a plan's host time)."""
-        held = self._derived.get(name)
-        if held is None or not _same_spec(held[0], source):
-            held = self._derived[name] = (source, derive(source))
-        return held[1]
-
-    def _with_variant(self, name: str, source: KernelSpec, attention: variants.AttentionVariant) -> KernelSpec:
-        """``source`` with ``attention``'s variant compiled in (``source`` itself for plain
-        attention), kept under ``name`` while the source and the variant stay."""
-        if attention.is_plain:
-            return source
-        held = self._variants.get(name)
-        if held is None or held[1] != attention.compiled or not _same_spec(held[0], source):
-            held = self._variants[name] = (source, attention.compiled, attention.of(source))
-        return held[2]
-
     def _packed_dense_spec(self) -> KernelSpec:
         """The dense program with a warp per K/V head."""
-        return self._kept("packed dense", self.dense_spec, lambda spec: spec.replace(warp_heads=True))
+        return self._programs.kept("packed dense", self.dense_spec, lambda spec: spec.replace(warp_heads=True))
 
     def _units_spec(self) -> KernelSpec:
         """The units program of the split program's CTA shape (`KernelSpec.as_units`); the split
         program itself is not loaded for it."""
-        return self._kept("units", self.split_spec, KernelSpec.as_units)
-
-    def _load(self, spec) -> tuple:
-        """`load_kernel(spec)` on this instance's GPU, whichever is current: (function, compile
-        result), kept per spec object, since the loader's own cache hashes every field of the spec
-        on each call. The specs plans launch are kept by this instance (`_split_program`,
-        `_packed_dense_spec`, `_units_spec`), so the same objects come back."""
-        held = self._loaded.get(id(spec))
-        if held is None or held[0] is not spec:  # the id of a spec since dropped may be reused
-            from .codegen.load import load_kernel
-
-            if len(self._loaded) >= _MAX_LOADED:  # specs an instance no longer uses (tuned entries, say)
-                self._loaded.clear()
-            with streams.on_device(self.device):  # a module is loaded into the current device's context
-                held = self._loaded[id(spec)] = (spec, *load_kernel(spec))
-        return held[1:]
+        return self._programs.kept("units", self.split_spec, KernelSpec.as_units)
 
     def _keep_own_programs(self) -> None:
         """The instance's own programs (its spec, or the built-in heuristic's), as it was built: what
         a batch-invariant plan launches, whichever tuned entry the last plan took."""
         split, dense = self._own_programs
         self._programs_tokens = 1
-        if not _same_spec(split, self.split_spec):
+        if not same_spec(split, self.split_spec):
             self.split_spec = split
             self._whole_row_clusters = takes_whole_row_clusters(split)
         self.dense_spec, self.tuned_entry = dense, None
@@ -450,7 +383,7 @@ class DecodeAttention:
         entry = choices.entry_for(rows, max_len) if choices else None
         split, dense, forced = lookup.programs_for(entry.spec if entry else None, self.arch, key, rows, self.num_sms)
         self._programs_tokens = query_tokens
-        if not _same_spec(split, self.split_spec):
+        if not same_spec(split, self.split_spec):
             self.split_spec = split  # _split_program follows
             self._whole_row_clusters = takes_whole_row_clusters(split)
         self.dense_spec, self.tuned_entry = dense, entry
@@ -460,7 +393,7 @@ class DecodeAttention:
                     plan: UnitPlan, spec: KernelSpec, attention: variants.AttentionVariant) -> UnitPlan:
         """A units plan's launch: ``plan``'s tables for ``host_lens`` (`planning.choose_plan`), run by
         the units program ``spec``."""
-        decode_fn, _ = self._load(spec)
+        decode_fn, _ = self._programs.load(spec)
         rows = lens.size * self.num_kv_heads
         static = max_units is not None
         if static:
@@ -474,7 +407,7 @@ class DecodeAttention:
         merge_fn, merge_blocks = None, 0
         if plan.split or static:
             merge_spec = self._unit_merge_spec
-            merge_fn, _ = self._load(merge_spec)
+            merge_fn, _ = self._programs.load(merge_spec)
             warps = merge_spec.threads // 32
             merge_blocks = -(-max_merges * spec.cta_rows // warps)
         # Everything that may raise comes before the first write to a buffer the live plan uses
@@ -500,15 +433,7 @@ class DecodeAttention:
 
     def _max_active_clusters(self, cluster: int) -> int | None:
         """Clusters of ``cluster`` split CTAs resident at once on this GPU (None: unknown)."""
-        program = self._split or self._split_program()  # the plan's, made before the planner asks
-        if cluster not in program.cluster_fit:
-            from .codegen.occupancy import max_active_clusters
-
-            spec = program.in_clusters(cluster)
-            function, _ = self._load(spec)
-            with streams.on_device(self.device):  # the query runs in the function's context
-                program.cluster_fit[cluster] = max_active_clusters(function, cluster, spec.threads, spec.smem_bytes)
-        return program.cluster_fit[cluster]
+        return self._programs.max_active_clusters(cluster, self.split_spec)
 
     # ---- warming up (compiles what later plans need) -------------------------------------------
     def warmup(self, max_len: int, max_batch: int = 1, *, jobs: int | None = None) -> "warmup.WarmupReport":
@@ -650,13 +575,3 @@ def gpu_name(device: int) -> str:
 
     name = cupy.cuda.runtime.getDeviceProperties(device)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
-
-
-#: Compiled programs `DecodeAttention._load` keeps per instance before starting afresh.
-_MAX_LOADED = 32
-
-
-def _same_spec(held, spec) -> bool:
-    """Whether what was derived from spec ``held`` serves ``spec``: the same object, or an equal one
-    (comparing two specs field by field costs about a µs, so identity is tried first)."""
-    return held is spec or held == spec

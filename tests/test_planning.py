@@ -144,3 +144,23 @@ def test_the_runtime_launches_what_the_planner_chooses(fake_gpu, variant):
         assert planned == choice.plan, lens
         assert attn._launch.spec == choice.spec, lens
         assert (attn._launch.merge_fn is not None) == choice.merge, lens
+
+
+@pytest.mark.parametrize("tokens, group", [(8, 4), (4, 8), (8, 8)])
+def test_row_blocks_of_one_kv_head_stream_as_many_splits_as_the_bytes_need(tokens, group):
+    """Rows of several row blocks per K/V head (query heads x tokens past one MMA tile) have every
+    block's CTA read the same K/V bytes: the short-row rule counts them once, so a long row gets
+    the splits one block per head would get (up to one wave), not 1 / row_blocks of them."""
+    split = default_spec("sm_90", 128, group, query_tokens=tokens)
+    dense = default_spec("sm_90", 128, group, variant="dense", query_tokens=tokens)
+    assert split.row_blocks > 1
+    gpu = planning.GpuFacts(SMS, resident_ctas_per_sm(split, REGISTERS), saturating_ctas(split),
+                            few_splits_max_bytes(split))
+    one_block = _choose([32768]).plan  # one token, one row block per head
+    for length in (4096, 32768, 65536):
+        lens = np.array([length], dtype=np.int64)
+        plan = planning.choose_plan(lens, length, HEADS * split.row_blocks, planning.Programs(split, dense), gpu,
+                                    allow_units=False).plan
+        assert plan.variant == "split" and plan.num_ctas <= SMS, (length, plan)
+        # as many CTAs as one block per head streams with, or a wave's worth of whole rows
+        assert plan.num_ctas >= min(one_block.num_ctas * split.row_blocks, SMS - SMS % (HEADS * split.row_blocks)), plan

@@ -385,10 +385,6 @@ def _fewest_saturating_split(lens, max_len, num_kv_heads, chunk_size, num_sms, s
     ``saturating_ctas``; of those, the first that cuts the longest row into a power of two of
     splits with its CTAs still one per SM, else the fewest. None where no count up to ``limit``
     reaches it (the rule's premise fails: the wave model plans instead)."""
-    # A count past one CTA per SM (rows of several row blocks per K/V head count their CTAs once
-    # per block) is capped at the most whole rows of CTAs one per SM holds: past it the rule would
-    # plan a partial second wave.
-    saturating_ctas = min(saturating_ctas, max(num_sms - num_sms % num_kv_heads, num_kv_heads))
     # Of 1..limit splits (see plan_splits): the longest row's pieces alone reach the count at
     # ceil(saturating / heads) splits; twice that leaves room for the next power of two.
     limit = min(limit, 2 * _ceil_div(saturating_ctas, num_kv_heads))

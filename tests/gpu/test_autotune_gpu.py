@@ -147,12 +147,13 @@ def test_the_bandwidth_sweep_times_tuned_builtin_and_peers():
 
 
 def _shipped_sample(gpu: str = "NVIDIA H200", arch: str = "sm_90") -> list:
-    """Of the shipped table of ``gpu``, per (K/V dtype, bucket) the tuned entry of the largest gain:
-    the programs furthest from the built-in choice that the runtime would launch."""
+    """Of the shipped table of ``gpu``, per (K/V dtype, bucket, one query token or several) the tuned
+    entry of the largest gain: the programs furthest from the built-in choice that the runtime
+    would launch."""
     path = lookup.shipped_dir() / arch / f"{keys.gpu_file_stem(gpu)}.yaml"
     best = {}
     for e in tables.load(path).entries:
-        slot = (e.key.kv_dtype, e.bucket.name)
+        slot = (e.key.kv_dtype, e.bucket.name, e.key.query_tokens > 1)
         if e.spec is not None and (slot not in best or e.speedup > best[slot].speedup):
             best[slot] = e
     return [best[slot] for slot in sorted(best)]
@@ -170,10 +171,19 @@ def test_the_shipped_table_launches_what_was_tuned_and_it_is_right(entry, monkey
     num_kv, num_qo, dim = keys.REFERENCE_KV_HEADS, keys.REFERENCE_KV_HEADS * k_.group_size, k_.head_dim
     lens = [b.seq_len] * b.batch
     attn = DecodeAttention(num_qo, num_kv, dim, q_dtype=k_.q_dtype, kv_dtype=k_.kv_dtype)
-    attn.plan(lens)
+    attn.plan(lens, query_tokens=k_.query_tokens)
     assert attn.tuned_entry == entry and attn.plan_info == entry.plan, attn.plan_info
 
     seed = int(_rng("shipped", k_.label, b.name).integers(2**31))
+    if k_.query_tokens > 1:  # the tuner's own inputs and causal float64 reference of T tokens
+        from splitkv.autotune.measure import TOLERANCE, BucketInputs
+
+        inp = BucketInputs(k_, lens, seed)
+        inp.poison_output()
+        attn.run(inp.q, inp.k, inp.v, out=inp.out)
+        cupy.cuda.Device().synchronize()
+        assert inp.error() <= TOLERANCE, (k_.label, b.name, attn.plan_info, inp.error())
+        return
     q, q64 = random_values((b.batch, num_qo, dim), k_.q_dtype, seed)
     if k_.kv_dtype in ("bf16", "fp16"):
         k, k64 = random_values((b.batch, b.seq_len, num_kv, dim), k_.kv_dtype, seed + 1)

@@ -295,7 +295,7 @@ class DecodeAttention:
         split_spec = self._programs.with_variant("split", self.split_spec, attention)
         dense_spec = self._programs.with_variant("dense", self.dense_spec, attention)
         row_heads = self.num_kv_heads * split_spec.row_blocks
-        units_allowed = attention.window_left < 0 and split_spec.row_blocks == 1
+        units_allowed = attention.window_left < 0 and split_spec.rows_fit_units
         if variant == "units" and not units_allowed:
             raise ValueError("variant: 'units' plans serve neither a window nor more than 16 rows (query heads x "
                              f"query tokens) per K/V head; this plan has window_left={attention.window_left} and "

@@ -259,7 +259,7 @@ class KernelSpec:
             raise ValueError("warp_heads: a warp per K/V head is a layout of the dense program; use variant='dense'")
         if self.warp_heads and self.query_tokens > 1:
             raise ValueError("warp_heads: a warp per K/V head serves one query token per sequence")
-        if self.variant == "units" and self.row_blocks > 1:
+        if self.variant == "units" and not self.rows_fit_units:
             raise ValueError(f"variant: the units program serves at most {MAX_CTA_ROWS} rows (query heads x query "
                              f"tokens) per K/V head; group_size {self.group_size} x query_tokens {self.query_tokens} "
                              "needs the split or dense program")
@@ -310,6 +310,12 @@ class KernelSpec:
         """CTAs per (sequence, K/V head, split) that share its rows: one where they fit one MMA tile's
         16 rows, else as many as it takes (each reads the same K/V bytes, mostly from L2)."""
         return -(-self.rows // MAX_CTA_ROWS)
+
+    @property
+    def rows_fit_units(self) -> bool:
+        """Whether the units program can serve these rows: one row block per K/V head (a unit is a
+        token range of one K/V head's rows)."""
+        return self.row_blocks == 1
 
     @property
     def cta_rows(self) -> int:

@@ -100,7 +100,7 @@ class GpuObjective(Objective):
         if spec.variant == "dense":
             variants = ["dense"]
         else:
-            variants = [None, "units"] if spec.row_blocks == 1 else [None]
+            variants = [None, "units"] if spec.rows_fit_units else [None]
         variant = variants[0]
         try:
             with self.harness.active():

@@ -40,7 +40,7 @@ def _stream_only(source: str) -> str:
     not refill a stage, or exit, while the copy engine still writes into it."""
     source = _cut(source, "        // S = Q K^T", "        if constexpr (WAIT_V_LATER) {")
     pv = "        // O^T += V^T P^T" if "        // O^T += V^T P^T" in source else "        // O += P V"
-    return _cut(source, pv, "        __syncwarp();  // every lane has read this stage")
+    return _cut(source, pv, "        stream_sync();  // every lane of the ring's warps has read this stage")
 
 
 #: A tile's first wait in the loop (its K, or the whole tile), once per program.
@@ -53,7 +53,7 @@ def _last_tile_math_skipped(source: str) -> str:
     """The last tile of each warp awaited but not computed: what its math adds after the stream
     ends (no tile follows to hide it behind)."""
     return _swap(TILE_WAIT, TILE_WAIT + "        if (t == my_tiles - 1) {  // ablation: awaited, not computed\n"
-                 "            wait_tile(t, 1);\n            __syncwarp();\n            break;\n        }\n")(source)
+                 "            wait_tile(t, 1);\n            stream_sync();\n            break;\n        }\n")(source)
 
 
 def _swap(old: str, new: str):

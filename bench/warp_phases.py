@@ -34,7 +34,7 @@ SLOTS = ("loop", "K wait", "S + softmax", "V wait", "P V", "first wait", "tiles"
 
 _LOOP = "    for (int t = 0; t < my_tiles; ++t) {\n"
 _WAIT_V = "        if constexpr (WAIT_V_LATER) {\n            wait_tile(t, 1);\n"
-_TILE_END = "        __syncwarp();  // every lane has read this stage before it is refilled\n    }\n"
+_TILE_END = "        stream_sync();  // every lane of the ring's warps has read this stage before it is refilled\n    }\n"
 
 # `phase_mark` is the cycle count at the end of the last phase counted; each stamp adds the cycles
 # since then to a phase. The V wait's stamps sit inside `if constexpr (WAIT_V_LATER)`: a program
@@ -62,7 +62,7 @@ def patched_source(source: str, num_ctas: int, warps: int) -> str:
     out = out.replace(TILE_WAIT, TILE_WAIT + _stamp("K wait", "        ")
                       + f"        if (t == 0) phase_sum[{first_wait}] = phase_mark - wait_start;\n")
     out = out.replace(_WAIT_V, _stamp("S + softmax", "        ") + _WAIT_V + _stamp("V wait", "            "))
-    out = out.replace(_TILE_END, "        __syncwarp();  // every lane has read this stage before it is refilled\n"
+    out = out.replace(_TILE_END, "        stream_sync();  // every lane of the ring's warps has read this stage before it is refilled\n"
                       + _stamp("P V", "        ") + "    }\n")
     write = ("    if (lane == 0) {  // warp_phases: this warp's sums\n"
              "        long long* mine = splitkv_phases[blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)][warp];\n"

@@ -10,8 +10,8 @@ docs/experiments.md, under the names given here.
 from __future__ import annotations
 
 from .plan import FEW_SPLITS_MAX_BYTES
-from .spec import (ARCHS, MAX_CTA_ROWS, QUANTIZED_KV_DTYPES, TMA_SWIZZLE_ROWS, KernelSpec, SharedMemoryError, arch_number,
-                   rows_fit_tma_boxes)
+from .spec import (ARCHS, STAGES, WARP_ROWS, QUANTIZED_KV_DTYPES, TMA_SWIZZLE_ROWS, KernelSpec, SharedMemoryError, arch_number,
+                   row_slices, rows_fit_tma_boxes)
 
 #: 32-bit registers per SM (the same from sm_80 through sm_120).
 _REGISTERS_PER_SM = 65536
@@ -51,9 +51,10 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     Several query tokens per sequence (``query_tokens`` > 1) multiply the math per K/V byte by the
     tokens: where tiles are 32 tokens or more, twice the warps take half as long tiles (the ring's
     bytes the same), so that two warps share each SM sub-partition and one's math hides under the
-    other's wait; where the rows exceed one MMA tile (several row blocks per K/V head) no clusters
-    (docs/experiments.md: "Several query tokens: built-in shapes"; measured at head_dim 64 and 128,
-    BF16 and FP8).
+    other's wait; where the rows exceed one MMA tile (16 rows) no clusters (docs/experiments.md:
+    "Several query tokens: built-in shapes"; measured at head_dim 64 and 128, BF16 and FP8). Rows
+    past 16 take row slices of warps that share each ring (`KernelSpec.row_slices`), so a CTA holds
+    fewer rings: each is made deeper, up to four stages, to keep the bytes in flight.
 
     Paged caches (``page_size`` > 0) keep these shapes; tensor maps take pages of 8 tokens and more
     (a box per page when pages are shorter than a tile), shorter pages per-lane copies; on pages
@@ -81,10 +82,11 @@ def default_spec(arch: str, head_dim: int, group_size: int, q_dtype: str = "bf16
     rows = group_size * query_tokens
     if query_tokens > 1 and warps == 4 and tile >= 32:
         warps, tile = 8, tile // 2
-    if rows > MAX_CTA_ROWS:
+    if rows > WARP_ROWS:
         cluster = 1
 
     def shape(warps, tile, stages):
+        stages = min(stages * row_slices(rows, warps), max(STAGES))
         return KernelSpec(arch=arch, head_dim=head_dim, group_size=group_size, q_dtype=q_dtype,
                           kv_dtype=kv_dtype, variant=variant, chunk_size=warps * tile, warps=warps,
                           tile_tokens=tile, stages=stages, cluster=cluster, kv_copy="tma" if tma else "cp_async",

@@ -91,9 +91,19 @@ def hardware_e2m1(arch: str) -> bool:
 #: Query tokens per sequence a program serves (several: speculative decoding's draft tokens, causal
 #: among themselves), 1..MAX_QUERY_TOKENS.
 MAX_QUERY_TOKENS = 16
-#: MMA rows one CTA carries at most: a K/V head's query heads x query tokens past it are spread over
-#: CTAs of one K/V head each ("row blocks"), which read the same K/V bytes.
-MAX_CTA_ROWS = 16
+#: MMA rows one warp carries (the M of its m16n8k16 tiles). A K/V head's rows (query heads x query
+#: tokens) past it go to further warps that read the same tiles of the same ring ("row slices",
+#: up to the CTA's warps), and rows past every warp's to further CTAs of the same K/V head ("row
+#: blocks"), which read the same K/V bytes again, mostly from L2.
+WARP_ROWS = 16
+
+
+def row_slices(rows: int, warps: int) -> int:
+    """Warps of a CTA of ``warps`` that share each tile for ``rows`` rows (`KernelSpec.row_slices`)."""
+    needed = -(-rows // WARP_ROWS)
+    return min(warps, 1 << (needed - 1).bit_length())
+
+
 #: What fills the 16 rows (M) of the m16n8k16 MMAs. heads: the query heads of the group (rows past
 #: the group are idle, so G = 4 uses a quarter of each MMA). tokens: 16 tokens per MMA, the query
 #: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.
@@ -260,9 +270,9 @@ class KernelSpec:
         if self.warp_heads and self.query_tokens > 1:
             raise ValueError("warp_heads: a warp per K/V head serves one query token per sequence")
         if self.variant == "units" and not self.rows_fit_units:
-            raise ValueError(f"variant: the units program serves at most {MAX_CTA_ROWS} rows (query heads x query "
-                             f"tokens) per K/V head; group_size {self.group_size} x query_tokens {self.query_tokens} "
-                             "needs the split or dense program")
+            raise ValueError(f"variant: the units program serves a K/V head's rows in one CTA, at most "
+                             f"{WARP_ROWS} x warps={self.warps} rows (query heads x query tokens); group_size "
+                             f"{self.group_size} x query_tokens {self.query_tokens} needs the split or dense program")
         self._check_paging()
         limit = ARCHS[arch_number(self.arch)].smem_per_cta
         if self.smem_bytes + self.static_smem_bytes > limit:
@@ -306,10 +316,22 @@ class KernelSpec:
         return self.group_size * self.query_tokens
 
     @property
+    def row_slices(self) -> int:
+        """Warps that read each tile together, each carrying its own `WARP_ROWS` of the CTA's rows:
+        the fewest (a power of two, at most ``warps``) whose rows hold the K/V head's."""
+        return row_slices(self.rows, self.warps)
+
+    @property
+    def token_streams(self) -> int:
+        """Rings per CTA: warps over row slices, each ring's tiles read by a slice's warps; with
+        warp_heads, a ring per warp (and K/V head)."""
+        return self.warps // self.row_slices
+
+    @property
     def row_blocks(self) -> int:
-        """CTAs per (sequence, K/V head, split) that share its rows: one where they fit one MMA tile's
-        16 rows, else as many as it takes (each reads the same K/V bytes, mostly from L2)."""
-        return -(-self.rows // MAX_CTA_ROWS)
+        """CTAs per (sequence, K/V head, split) that share its rows: one where the row slices hold
+        them, else as many as it takes (each reads the same K/V bytes, mostly from L2)."""
+        return -(-self.rows // (WARP_ROWS * self.row_slices))
 
     @property
     def rows_fit_units(self) -> bool:
@@ -320,12 +342,18 @@ class KernelSpec:
     @property
     def cta_rows(self) -> int:
         """Rows one CTA serves: the K/V head's rows over its row blocks, evenly (the last block's rows
-        past the head's are padding, computed and never written)."""
+        past the head's are padding, computed and never written); its row slice s serves rows
+        s x WARP_ROWS on."""
         return -(-self.rows // self.row_blocks)
 
     @property
+    def row_slots(self) -> int:
+        """Per-row entries of the CTA's combine state: every row slice's `WARP_ROWS`."""
+        return WARP_ROWS * self.row_slices
+
+    @property
     def mma_rows(self) -> int:
-        """Rows of the m16n8k16 tile that carry data: 8 for up to 8 rows per CTA, else 16."""
+        """Rows of each warp's m16n8k16 tile that carry data: 8 for up to 8 rows per CTA, else 16."""
         return 8 if self.cta_rows <= 8 else 16
 
     @property
@@ -406,15 +434,20 @@ class KernelSpec:
     def inbox_offset(self) -> int:
         """Byte offset of the cluster inbox in dynamic shared memory: past the per-warp K/V rings
         and the CTA's final combine, which reuses the rings' bytes once they are drained."""
-        ring = self.warps * self.stages * self.tile_bytes * 2
-        return -(-max(ring, self.combine_bytes) // 16) * 16
+        return -(-max(self.ring_bytes, self.combine_bytes) // 16) * 16
+
+    @property
+    def ring_bytes(self) -> int:
+        """The CTA's K/V rings: a K and a V tile per stage, per token stream."""
+        return self.token_streams * self.stages * self.tile_bytes * 2
 
     @property
     def combine_bytes(self) -> int:
-        """The warps' states as the final combine lays them out (fp32): per warp a max and a sum per
-        row and its rows x D accumulator, then per row the CTA's sum, log-sum-exp, final denominator
-        and sink."""
-        return (self.warps * (self.cta_rows * self.head_dim + 2 * 16) + 4 * 16) * 4
+        """The warps' states as the final combine lays them out (fp32): per token stream a max and a
+        sum per row slot and its rows x D accumulator, then per row slot the CTA's sum, log-sum-exp,
+        final denominator and sink."""
+        streams = self.token_streams
+        return (streams * (self.cta_rows * self.head_dim + 2 * self.row_slots) + 4 * self.row_slots) * 4
 
     @property
     def static_smem_bytes(self) -> int:
@@ -422,13 +455,13 @@ class KernelSpec:
         ``smem_bytes``; both count against the per-CTA limit. An upper bound."""
         per_stage = 16 if self.kv_copy == "tma" else 0  # a stage's two mbarriers (K rows, V rows)
         # tma: up to 1024 bytes of padding put the dynamic rings on a 1024-byte boundary.
-        return 16 + self.warps * self.stages * per_stage + (1024 if self.kv_copy == "tma" else 0)
+        return 16 + self.token_streams * self.stages * per_stage + (1024 if self.kv_copy == "tma" else 0)
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the rings (reused for the combine), then, in a cluster, the inbox
         where the other CTAs leave their partials (fp32) and log-sum-exps for this CTA's slice."""
-        inbox = self.cluster * (self.cluster_slice + 16) * 4 if self.cluster > 1 else 0
+        inbox = self.cluster * (self.cluster_slice + self.row_slots) * 4 if self.cluster > 1 else 0
         return self.inbox_offset + inbox
 
     @property

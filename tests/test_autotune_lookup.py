@@ -316,7 +316,8 @@ def test_builtin_programs_of_several_query_tokens():
     assert (plain.warps, plain.tile_tokens, plain.mma_m, plain.query_tokens) == (4, 32, "tokens", 1)
     assert (two.warps, two.tile_tokens, two.mma_m, two.query_tokens, two.cluster) == (8, 16, "tokens", 2, 16)
     assert (four.warps, four.tile_tokens, four.mma_m, four.cluster, four.row_blocks) == (8, 16, "heads", 16, 1)
-    assert (eight.cluster, eight.row_blocks) == (1, 2)
+    assert (eight.cluster, eight.row_blocks, eight.row_slices, eight.stages) == (1, 1, 2, 4)
+    assert eight.ring_bytes == four.ring_bytes  # two slices per ring, each twice as deep
     assert two.smem_bytes <= plain.smem_bytes + 4096  # the ring's bytes the same
     split, dense, _ = lookup.programs(None, ARCH, KEY.with_query_tokens(4))
     assert split == four and dense == default_spec(ARCH, 128, 4, "bf16", "bf16", "dense", query_tokens=4)

@@ -146,13 +146,18 @@ def test_the_runtime_launches_what_the_planner_chooses(fake_gpu, variant):
         assert (attn._launch.merge_fn is not None) == choice.merge, lens
 
 
-@pytest.mark.parametrize("tokens, group", [(8, 4), (4, 8), (8, 8)])
-def test_row_blocks_of_one_kv_head_stream_as_many_splits_as_the_bytes_need(tokens, group):
-    """Rows of several row blocks per K/V head (query heads x tokens past one MMA tile) have every
-    block's CTA read the same K/V bytes: the short-row rule counts them once, so a long row gets
-    the splits one block per head would get (up to one wave), not 1 / row_blocks of them."""
-    split = default_spec("sm_90", 128, group, query_tokens=tokens)
-    dense = default_spec("sm_90", 128, group, variant="dense", query_tokens=tokens)
+@pytest.mark.parametrize("tokens, group, one_token_shape", [(16, 16, False), (8, 16, True), (16, 8, True)])
+def test_row_blocks_of_one_kv_head_stream_as_many_splits_as_the_bytes_need(tokens, group, one_token_shape):
+    """Rows of several row blocks per K/V head (query heads x tokens past every warp's 16) have
+    every block's CTA read the same K/V bytes: the short-row rule counts them once, so a long row
+    gets the splits one block per head would get (up to one wave), not 1 / row_blocks of them.
+    (The built-in shape of 256 rows, and the 4-warp one-token shape an instance keeps for 128.)"""
+    if one_token_shape:
+        split = default_spec("sm_90", 128, group).with_variant(query_tokens=tokens)
+        dense = default_spec("sm_90", 128, group, variant="dense").with_variant(query_tokens=tokens)
+    else:
+        split = default_spec("sm_90", 128, group, query_tokens=tokens)
+        dense = default_spec("sm_90", 128, group, variant="dense", query_tokens=tokens)
     assert split.row_blocks > 1
     gpu = planning.GpuFacts(SMS, resident_ctas_per_sm(split, REGISTERS), saturating_ctas(split),
                             few_splits_max_bytes(split))

@@ -253,9 +253,13 @@ def test_saturating_ctas_count_the_bytes_in_flight():
     assert saturating_ctas(default_spec("sm_90", 128, 4, page_size=64)) == 47
     assert saturating_ctas(default_spec("sm_90", 128, 4, kv_dtype="nvfp4")) is None
     # Several row blocks per K/V head read the same bytes: each block's CTAs count once.
+    wide = default_spec("sm_90", 128, 16, query_tokens=16)  # 256 rows: two blocks of 8 row slices
+    assert (wide.row_blocks, wide.row_slices) == (2, 8)
+    assert saturating_ctas(wide) == 2 * -(-SATURATING_BYTES_IN_FLIGHT // wide.smem_bytes)
+    # Row slices share one ring: a CTA's bytes in flight are its token streams' rings.
     t8 = default_spec("sm_90", 128, 4, query_tokens=8)
-    assert t8.row_blocks == 2
-    assert saturating_ctas(t8) == 2 * -(-SATURATING_BYTES_IN_FLIGHT // t8.smem_bytes)
+    assert (t8.row_blocks, t8.row_slices, t8.token_streams) == (1, 2, 4)
+    assert saturating_ctas(t8) == -(-SATURATING_BYTES_IN_FLIGHT // t8.smem_bytes)
 
 
 def test_the_short_row_rule_takes_shorter_splits_on_boxed_short_pages():

@@ -54,7 +54,7 @@ def predict_us(spec: KernelSpec, bucket: Bucket) -> float:
     if spec.variant == "split":
         splits = max(1, min(NUM_SMS // rows, math.ceil(bucket.seq_len / spec.chunk_size)))
     ctas = rows * splits
-    in_flight = min(ctas, NUM_SMS * 2) * spec.warps * spec.stages * spec.tile_bytes * 2
+    in_flight = min(ctas, NUM_SMS * 2) * spec.ring_bytes
     bandwidth = PEAK_BYTES_PER_US * (1 - math.exp(-in_flight / SATURATING_BYTES_IN_FLIGHT))
     waves = math.ceil(ctas / (NUM_SMS * 2))
     stream = kv_bytes / bandwidth * (1 + 0.1 * (waves - 1))

@@ -108,7 +108,7 @@ def template_parameters(spec: AnySpec) -> dict:
                       tma_box_rows=spec.tma_box_rows, tile_bytes=spec.tile_bytes, kv_elem_bytes=spec.kv_elem_bytes,
                       unit_header=len(BUFFER_HEADER), unit_fields=len(UNIT_FIELDS),
                       cluster_slice=spec.cluster_slice, inbox_offset=spec.inbox_offset,
-                      row_blocks=spec.row_blocks, cta_rows=spec.cta_rows,
+                      row_blocks=spec.row_blocks, cta_rows=spec.cta_rows, row_slices=spec.row_slices,
                       params_fields=DECODE.config_fields(), params_size=DECODE.size)
     return params
 

@@ -151,9 +151,12 @@ def test_variants_and_combinations(query_tokens, window_left, cap, sinks, varian
                 variant=variant, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("group, query_tokens", [(1, 4), (7, 2), (7, 4), (16, 2), (5, 5), (8, 3)])
-def test_groups_and_row_blocks(group, query_tokens):
-    # 7 x 4 = 28 and 16 x 2 = 32 rows need two row blocks, 5 x 5 = 25 two with a padding row, 8 x 3 two.
+@pytest.mark.parametrize("group, query_tokens", [(1, 4), (7, 2), (7, 4), (16, 2), (5, 5), (8, 3), (4, 12), (16, 5),
+                                                  (16, 16)])
+def test_groups_and_row_slices_and_blocks(group, query_tokens):
+    # Rows past 16 take row slices of 16 sharing each ring: 7 x 4 = 28, 16 x 2 = 32, 5 x 5 = 25 and
+    # 8 x 3 = 24 two slices (padding rows in the second), 4 x 12 = 48 four (the last all padding),
+    # 16 x 5 = 80 eight (three of padding); 16 x 16 = 256 rows two row blocks of eight slices.
     for variant, num_splits in ((None, None), ("dense", None), ("split", 3)):
         run_variant([2500, 900], query_tokens=query_tokens, window_left=700, cap=30.0, sinks=True, group=group,
                     variant=variant, num_splits=num_splits)
@@ -170,6 +173,9 @@ def test_head_dims(head_dim):
 def test_quantized_caches(kv_dtype):
     run_variant([3000, 64], query_tokens=4, window_left=800, cap=30.0, sinks=True, kv_dtype=kv_dtype)
     run_variant([3000, 64], query_tokens=2, sinks=True, kv_dtype=kv_dtype, variant="split", num_splits=6)
+    # 32 rows: two row slices share each ring (the block scales copied by the first).
+    run_variant([3000, 64], query_tokens=8, window_left=900, sinks=True, kv_dtype=kv_dtype, variant="split",
+                num_splits=3, expect=lambda attn: attn._launch.spec.row_slices == 2)
 
 
 @pytest.mark.parametrize("page_size, kv_layout", [(16, "NHD"), (16, "HND"), (1, "NHD"), (64, "HND")])
@@ -178,6 +184,8 @@ def test_paged_caches(page_size, kv_layout):
                 kv_layout=kv_layout)
     run_variant([2100, 50, 999], query_tokens=2, window_left=-1, sinks=True, page_size=page_size,
                 kv_layout=kv_layout, variant="split", num_splits=3)
+    run_variant([2100, 50, 999], query_tokens=8, window_left=600, cap=30.0, page_size=page_size,
+                kv_layout=kv_layout, expect=lambda attn: attn._launch.spec.row_slices == 2)
 
 
 def test_clusters_and_the_merges():
@@ -189,13 +197,21 @@ def test_clusters_and_the_merges():
         run_variant([9000, 4000], query_tokens=4, window_left=3000, cap=30.0, sinks=True, variant="split",
                     num_splits=7, spec_changes=dict(cluster=1, fused_merge=fused))
         run_variant([9000, 4000], query_tokens=8, window_left=-1, sinks=True, variant="split", num_splits=7,
-                    spec_changes=dict(cluster=1, fused_merge=fused))  # 32 rows: two row blocks
+                    spec_changes=dict(cluster=1, fused_merge=fused))  # 32 rows: two row slices
+    # Row slices in a cluster (the 4-warp one-token shape kept: two slices of two warps' rings),
+    # with tensor maps and with per-lane copies.
+    for kv_copy in ("tma", "cp_async"):
+        run_variant([30000, 3000], query_tokens=8, window_left=-1, cap=30.0, sinks=True, variant="split",
+                    num_splits=8, spec_changes=dict(cluster=4, kv_copy=kv_copy),
+                    expect=lambda attn: attn._launch.spec.cluster == 4 and attn._launch.spec.row_slices == 2)
 
 
 def test_units_and_a_warp_per_kv_head():
     units = lambda attn: attn._launch.spec.variant == "units"  # noqa: E731
     run_variant([20000, 30, 40, 500, 7], query_tokens=2, cap=30.0, sinks=True, variant="units", expect=units)
     run_variant([20000, 30, 40, 500, 7], query_tokens=4, sinks=True, group=4, variant="units", expect=units)
+    run_variant([20000, 30, 40, 500, 7], query_tokens=8, cap=30.0, group=4, variant="units",
+                expect=lambda attn: units(attn) and attn._launch.spec.row_slices == 2)  # 32 rows: two slices
     packed = lambda attn: attn._launch.spec.warp_heads  # noqa: E731
     run_variant([700] * 8, window_left=300, cap=30.0, sinks=True, num_kv=8, variant="dense", warp_heads=True,
                 expect=packed)

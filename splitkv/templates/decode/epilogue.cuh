@@ -72,8 +72,8 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
     int* const counters = at.counters;
     const int num_splits = at.num_splits, rows_per_slot = at.rows_per_slot();
     const int warp = warp_id(), lane = lane_id(), batch_idx = at.batch_idx, row_y = at.row_y;
-    // Per row of `states` (threads < ROWS): the CTA's max m, each warp's weight 2^(m_w - m), the
-    // CTA's sum, log-sum-exp and final denominator (with the row's sink).
+    // Per row of `states` (threads < ROWS): the CTA's max m, each token stream's weight 2^(m_w - m),
+    // the CTA's sum, log-sum-exp and final denominator (with the row's sink).
     auto combine_warps = [&](WarpStates states) {
         float* warp_m = states.m();
         float* warp_l = states.l();
@@ -82,12 +82,12 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         if (threadIdx.x < ROWS) {
             const int row = threadIdx.x;
             float m = -INFINITY;
-            for (int w = 0; w < WARPS; ++w) m = fmaxf(m, warp_m[w * 16 + row]);
+            for (int w = 0; w < ROW_WARPS; ++w) m = fmaxf(m, warp_m[WarpStates::at(w, row)]);
             float l = 0.f;
-            for (int w = 0; w < WARPS; ++w) {
-                const float weight = m == -INFINITY ? 0.f : splitkv::exp2_approx(warp_m[w * 16 + row] - m);
-                warp_m[w * 16 + row] = weight;
-                l += weight * warp_l[w * 16 + row];
+            for (int w = 0; w < ROW_WARPS; ++w) {
+                const float weight = m == -INFINITY ? 0.f : splitkv::exp2_approx(warp_m[WarpStates::at(w, row)] - m);
+                warp_m[WarpStates::at(w, row)] = weight;
+                l += weight * warp_l[WarpStates::at(w, row)];
             }
             row_l[row] = l;
             row_lse2[row] = l != 0.f ? m + __log2f(l) : -INFINITY;
@@ -104,7 +104,7 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         const int row = idx / HEAD_DIM;
         float acc = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) acc += weight[w * 16 + row] * warp_o[(size_t)w * ROWS * HEAD_DIM + idx];
+        for (int w = 0; w < ROW_WARPS; ++w) acc += weight[WarpStates::at(w, row)] * warp_o[(size_t)w * ROWS * HEAD_DIM + idx];
         const float l = (SINKS && final ? states.row_den() : states.row_l())[row];
         return l != 0.f ? __fdividef(acc, l) : empty;  // branch-free: see the warp_heads epilogue
     };
@@ -152,10 +152,10 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         const size_t first_row = (size_t)batch_idx * at.num_qo_heads + (size_t)blockIdx.y * WARPS * GROUP;
         // The row's final denominator: its sum, and its sink's weight.
         auto denominator = [&](int w, int row) {
-            const float l = combined.l()[w * 16 + row];
+            const float l = combined.l()[WarpStates::at(w, row)];
             if constexpr (!SINKS) return l;
             const float sink2 = splitkv::sink_log2(at.sinks, (blockIdx.y * WARPS + w) * GROUP + row);
-            return l != 0.f ? l + splitkv::sink_weight(sink2, combined.m()[w * 16 + row]) : 0.f;
+            return l != 0.f ? l + splitkv::sink_weight(sink2, combined.m()[WarpStates::at(w, row)]) : 0.f;
         };
         constexpr int PER_THREAD = GROUP * HEAD_DIM / 32;  // WARPS x GROUP x HEAD_DIM over WARPS x 32 threads
         static_assert(GROUP * HEAD_DIM % 32 == 0, "every thread writes the same number of outputs");
@@ -168,8 +168,8 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         }
         if (lse != nullptr && threadIdx.x < WARPS * GROUP) {
             const int w = threadIdx.x / GROUP, row = threadIdx.x % GROUP;
-            const float l = combined.l()[w * 16 + row];
-            lse[first_row + threadIdx.x] = l != 0.f ? (combined.m()[w * 16 + row] + __log2f(l)) * LN2 : final_empty_lse(at);
+            const float l = combined.l()[WarpStates::at(w, row)];
+            lse[first_row + threadIdx.x] = l != 0.f ? (combined.m()[WarpStates::at(w, row)] + __log2f(l)) * LN2 : final_empty_lse(at);
         }
         return;
     }
@@ -217,7 +217,7 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
         // reading, so each one leaves as soon as its own slice is written: to the output when the
         // cluster is the whole row, else as the slice of the cluster's partial.
         float* inbox_o = reinterpret_cast<float*>(smem + INBOX_OFFSET);  // [CLUSTER][SLICE]
-        float* inbox_lse2 = inbox_o + CLUSTER * SLICE;                    // [CLUSTER][16]
+        float* inbox_lse2 = inbox_o + CLUSTER * SLICE;                    // [CLUSTER][ROW_SLOTS]
         const int rank = (int)splitkv::cluster_rank();
         const bool whole_row = num_splits == CLUSTER;
         slot = split / CLUSTER;
@@ -230,7 +230,7 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
             splitkv::store4_async_to_cluster_rank(inbox_o + rank * SLICE + idx % SLICE, idx / SLICE, value, &inbox_full);
         }
         for (int i = threadIdx.x; i < CLUSTER * ROWS; i += WARPS * 32)
-            splitkv::store_async_to_cluster_rank(inbox_lse2 + rank * 16 + i % ROWS, i / ROWS, row_lse2[i % ROWS],
+            splitkv::store_async_to_cluster_rank(inbox_lse2 + rank * ROW_SLOTS + i % ROWS, i / ROWS, row_lse2[i % ROWS],
                                                  &inbox_full);
         splitkv::mbarrier_wait_cluster_acquire(&inbox_full, 0);  // every member's pushes have landed
         if (slot >= slots_used) return;  // a cluster wholly past the length: its partial is never read
@@ -240,12 +240,12 @@ __device__ __forceinline__ void write_result(const ResultTarget& at, unsigned ch
             const int idx = rank * SLICE + e, row = idx / HEAD_DIM;
             float m = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < CLUSTER; ++j) m = splitkv::fmax_nan(m, inbox_lse2[j * 16 + row]);
+            for (int j = 0; j < CLUSTER; ++j) m = splitkv::fmax_nan(m, inbox_lse2[j * ROW_SLOTS + row]);
             float total = 0.f, acc = 0.f;
             if (m != -INFINITY) {
 #pragma unroll
                 for (int j = 0; j < CLUSTER; ++j) {
-                    const float w = splitkv::exp2_approx(inbox_lse2[j * 16 + row] - m);
+                    const float w = splitkv::exp2_approx(inbox_lse2[j * ROW_SLOTS + row] - m);
                     total += w;
                     acc += w * inbox_o[j * SLICE + e];
                 }

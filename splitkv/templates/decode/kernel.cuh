@@ -44,7 +44,10 @@ __device__ __forceinline__ void decode_program(
     // The CTA's K/V head and row block (its rows: block_row0 .. + ROWS of the head's rows).
     const int kv_head = WARP_HEADS ? row_y * WARPS + warp : row_y / ROW_BLOCKS;
     const int block_row0 = (row_y % ROW_BLOCKS) * ROWS;
-    const int row_warp = WARP_HEADS ? 0 : warp;  // the warp's place among its row's warps
+    // The warp's token stream among its row's (its ring), and its rows of the CTA's: those of its
+    // row slice, from slice_row0 on.
+    const int row_warp = WARP_HEADS ? 0 : warp / ROW_SLICES;
+    const int slice_row0 = slice_id() * 16;
     const int num_splits = gridDim.x;
     if constexpr (CLUSTER > 1) {
         // The inbox barrier completes when every byte the members push into this CTA's inbox has
@@ -71,8 +74,8 @@ __device__ __forceinline__ void decode_program(
     // packed here, the pack's wait for the loads would hold back the tiles' requests.
     u32 q_high[QUANTIZED ? KSTEPS : 1][4];
     // Row r of the CTA: query token t, query head h of the K/V head (row block_row0 + r = t GROUP + h);
-    // rows past the head's are padding (Q of zeros). Validity and address apart: a null pointer as
-    // the mark would cost a 64-bit compare per load.
+    // rows past the head's are padding (Q of zeros). The warp holds rows slice_row0 + qr (+ 8).
+    // Validity and address apart: a null pointer as the mark would cost a 64-bit compare per load.
     const q_t* const q_head = q + ((size_t)batch_idx * QUERY_TOKENS * num_qo_heads + (size_t)kv_head * GROUP) * HEAD_DIM;
     auto q_row_valid = [&](int r) {
         return r < ROWS && (QUERY_TOKENS == 1 && ROW_BLOCKS == 1 || block_row0 + r < GROUP * QUERY_TOKENS);
@@ -101,10 +104,10 @@ __device__ __forceinline__ void decode_program(
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
             u32 (&high)[4] = q_high[QUANTIZED ? ks : 0];
-            qa[ks][0] = q_pair(qr, ks, qc, high[0]);
-            qa[ks][1] = ROWS16 ? q_pair(qr + 8, ks, qc, high[1]) : (high[1] = 0u);
-            qa[ks][2] = q_pair(qr, ks, qc + 8, high[2]);
-            qa[ks][3] = ROWS16 ? q_pair(qr + 8, ks, qc + 8, high[3]) : (high[3] = 0u);
+            qa[ks][0] = q_pair(slice_row0 + qr, ks, qc, high[0]);
+            qa[ks][1] = ROWS16 ? q_pair(slice_row0 + qr + 8, ks, qc, high[1]) : (high[1] = 0u);
+            qa[ks][2] = q_pair(slice_row0 + qr, ks, qc + 8, high[2]);
+            qa[ks][3] = ROWS16 ? q_pair(slice_row0 + qr + 8, ks, qc + 8, high[3]) : (high[3] = 0u);
         }
     };
     load_q();
@@ -117,8 +120,8 @@ __device__ __forceinline__ void decode_program(
         if (threadIdx.x < ROWS) sink_raw = load_sink();
     }
 
-    // ---- this warp's tiles: w, w + WARPS, w + 2 WARPS, ... of the CTA's token range (every tile
-    // of its own row with warp_heads) ---------------------------------------------------------------
+    // ---- this warp's tiles: those of its token stream w, w + ROW_WARPS, w + 2 ROW_WARPS, ... of the
+    // CTA's token range (every tile of its own row with warp_heads) ---------------------------
     // The range is first taken as if the sequence filled the cache, so the first tiles are in
     // flight before the length arrives from memory; once it has, the range is trimmed. Tiles start
     // at the same tokens either way, and every fetched row lies inside the cache (< max_len).
@@ -141,17 +144,18 @@ __device__ __forceinline__ void decode_program(
     const size_t head_row0 = PAGED ? (HND ? (size_t)kv_head * PAGE : (size_t)kv_head)
                            : HND   ? ((size_t)batch_idx * num_kv_heads + kv_head) * kv_stride
                                    : (size_t)batch_idx * kv_stride * num_kv_heads + kv_head;
-    if constexpr (SWIZZLED) {
-        if (lane < 2 * STAGES) splitkv::mbarrier_init(&stage_barriers()[warp][lane / 2][lane % 2], STAGE_ARRIVALS);
+    if constexpr (SWIZZLED) {  // the ring's stage barriers, by its first slice's warp
+        if (slice_id() == 0 && lane < 2 * STAGES)
+            splitkv::mbarrier_init(&stage_barriers()[ring_id()][lane / 2][lane % 2], STAGE_ARRIVALS);
         splitkv::mbarrier_init_fence();
-        __syncwarp();
+        stream_sync();
     }
     int fetch_end = end;
     // tma: a contiguous cache's map rows are [batch x kv_stride] tokens (NHD, a row holding every
     // K/V head) or [batch x heads x kv_stride] (HND).
     const int map_row0 = HND ? (batch_idx * num_kv_heads + kv_head) * kv_stride : batch_idx * kv_stride;
     TileLoader loader{row_warp, map_row0, kv_head, num_kv_heads, table_stride, num_pages,
-                      smem + (size_t)warp * STAGES * 2 * TILE_BYTES,
+                      smem + (size_t)ring_id() * STAGES * 2 * TILE_BYTES,
                       k + head_row0 * ROW_BYTES, v + head_row0 * ROW_BYTES,
                       k_block_scales + head_row0 * SCALE_ROW, v_block_scales + head_row0 * SCALE_ROW,
                       block_table + (size_t)batch_idx * table_stride, &k_map, &v_map, begin, my_tiles, fetch_end};
@@ -208,7 +212,7 @@ __device__ __forceinline__ void decode_program(
         return;
     }
     WarpSoftmax softmax;
-    const Variant variant(len, window_left, soft_cap_log2, block_row0, [](int h) { return WarpSoftmax::row_of(h); });
+    const Variant variant(len, window_left, soft_cap_log2, block_row0 + slice_row0, [](int h) { return WarpSoftmax::row_of(h); });
     for (int t = 0; t < my_tiles; ++t) {
         load_tile(t + STAGES - 1);  // its stage was consumed in iteration t - 1
         wait_tile(t, WAIT_V_LATER ? 0 : 1);
@@ -248,7 +252,7 @@ __device__ __forceinline__ void decode_program(
 
         // O += P V (tokens: O^T += V^T P^T)
         softmax.accumulate(s, v_tile);
-        __syncwarp();  // every lane has read this stage before it is refilled
+        stream_sync();  // every lane of the ring's warps has read this stage before it is refilled
     }
     drain(prefetched);  // the rings are reused below: nothing may still be landing in them
 
@@ -256,7 +260,7 @@ __device__ __forceinline__ void decode_program(
     softmax.sum_lanes();
     __syncthreads();
     const WarpStates states{reinterpret_cast<float*>(smem)};
-    softmax.store(states, warp, o_factor);
+    softmax.store(states, WARP_HEADS ? warp : row_warp, slice_row0, o_factor);
     if constexpr (SINKS && !WARP_HEADS) {
         if (threadIdx.x < ROWS) states.row_sink2()[threadIdx.x] = (WAIT_V_LATER ? sink_raw : load_sink()) * 1.4426950408889634f;
     }

@@ -12,9 +12,15 @@ constexpr int W = 16 / KV_BITS;
 // Merge counters per row: one per cluster rank, since with several clusters per row the members of
 // one rank merge their slice of the row's output together (see epilogue.cuh).
 constexpr int ROW_COUNTERS = CLUSTER;
-constexpr int ROW_WARPS = WARP_HEADS ? 1 : WARPS;  // warps that share one row's tiles
+// Token streams: the rings of a row's tiles (warp_heads: a warp's own row), each read by the
+// ROW_SLICES warps of a row slice group, warp w being slice w % ROW_SLICES of stream w / ROW_SLICES.
+constexpr int ROW_WARPS = WARP_HEADS ? 1 : WARPS / ROW_SLICES;
+constexpr int WARP_ROWS = ROW_SLICES > 1 ? 16 : ROWS;  // the rows one warp's MMAs carry
+// Per-row entries of the combine's state (WarpStates): every slice's 16.
+constexpr int ROW_SLOTS = 16 * ROW_SLICES;
+static_assert(WARPS % ROW_SLICES == 0 && ROWS <= ROW_SLOTS, "row slices of 16 rows");
 
-constexpr bool ROWS16 = ROWS > 8;             // MMA rows 8..15 carry rows too
+constexpr bool ROWS16 = WARP_ROWS > 8;        // MMA rows 8..15 carry rows too
 constexpr int KSTEPS = HEAD_DIM / 16;         // k-steps of S = Q K^T
 constexpr int D_BLOCKS = HEAD_DIM / 8;        // n-blocks of O = P V
 constexpr int T_BLOCKS = TILE / 8;            // n-blocks of S
@@ -44,7 +50,7 @@ constexpr int LOADS_PER_LANE = TILE * ROW_CHUNKS / 32;
 constexpr float KV_UNIT = NVFP4 ? splitkv::E2M1_UNIT : 1.f;
 // S and the softmax run while V is still landing, except where the registers this keeps live
 // across the wait would spill (16-row MMAs at head_dim 256): there the tile is awaited whole.
-constexpr bool WAIT_V_LATER = !(ROWS > 8 && HEAD_DIM > 128);
+constexpr bool WAIT_V_LATER = !(WARP_ROWS > 8 && HEAD_DIM > 128);
 constexpr float LN2 = 0.69314718055994531f;
 // tma: the swizzle pattern repeats every 1024 bytes and is taken from the address bits, so the
 // rings start on a 1024-byte boundary.
@@ -75,6 +81,10 @@ using splitkv::u32;
 // where registers bound it).
 __device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
 __device__ __forceinline__ int warp_id() { return threadIdx.x / 32; }
+// The warp's ring (its token stream's; warp_heads: its own) and its row slice in the stream.
+constexpr int RINGS = WARP_HEADS ? WARPS : ROW_WARPS;
+__device__ __forceinline__ int ring_id() { return WARP_HEADS ? warp_id() : warp_id() / ROW_SLICES; }
+__device__ __forceinline__ int slice_id() { return WARP_HEADS ? 0 : warp_id() % ROW_SLICES; }
 
 // Byte c (a multiple of 16: one 16-byte chunk) of token r's row of a K or V tile in shared memory.
 // Padded rows of ROW bytes; or (tma) ROW_BYTES / BOX_BYTES boxes of TILE rows of BOX_BYTES one after
@@ -147,20 +157,33 @@ __device__ __forceinline__ constexpr int o_dim(int m, int x, int chunks_per_m) {
     return (m / W * chunks_per_m + x / 8) * 8 * W + (x % 8) * W + m % W;
 }
 
-// The warps' states in the layout the final combine reads (fp32), from one base address: per warp
-// a max (which the combine turns into the weight 2^(m_w - m)) and a sum per row, the CTA's sum,
-// base-2 log-sum-exp and final denominator (the sum, plus the sink's weight with SINKS) per row,
-// the rows' sinks (base 2), then per warp its ROWS x HEAD_DIM accumulator.
+// The warps' states in the layout the final combine reads (fp32), from one base address: per token
+// stream a max (which the combine turns into the weight 2^(m_w - m)) and a sum per row slot (its
+// slices' warps fill them), the CTA's sum, base-2 log-sum-exp and final denominator (the sum, plus
+// the sink's weight with SINKS) per row, the rows' sinks (base 2), then per stream its ROWS x
+// HEAD_DIM accumulator. (warp_heads: a stream per warp.)
 struct WarpStates {
     float* base;
-    __device__ float* m() const { return base; }                       // [WARPS][16]
-    __device__ float* l() const { return base + WARPS * 16; }          // [WARPS][16]
-    __device__ float* row_l() const { return base + 2 * WARPS * 16; }  // [16]
-    __device__ float* row_lse2() const { return row_l() + 16; }        // [16]
-    __device__ float* row_den() const { return row_l() + 2 * 16; }     // [16]
-    __device__ float* row_sink2() const { return row_l() + 3 * 16; }   // [16] SINKS: base 2
-    __device__ float* o() const { return row_l() + 4 * 16; }           // [WARPS][ROWS][HEAD_DIM]
+    __device__ float* m() const { return base; }                                 // [WARPS / ROW_SLICES][ROW_SLOTS]
+    __device__ float* l() const { return base + WARPS * 16; }                    // [WARPS / ROW_SLICES][ROW_SLOTS]
+    __device__ float* row_l() const { return base + 2 * WARPS * 16; }            // [ROW_SLOTS]
+    __device__ float* row_lse2() const { return row_l() + ROW_SLOTS; }           // [ROW_SLOTS]
+    __device__ float* row_den() const { return row_l() + 2 * ROW_SLOTS; }        // [ROW_SLOTS]
+    __device__ float* row_sink2() const { return row_l() + 3 * ROW_SLOTS; }      // [ROW_SLOTS] SINKS: base 2
+    __device__ float* o() const { return row_l() + 4 * ROW_SLOTS; }              // [WARPS / ROW_SLICES][ROWS][HEAD_DIM]
+    // Where stream s's state of row r lies in m() and l().
+    __device__ static int at(int s, int r) { return s * ROW_SLOTS + r; }
 };
+
+// The warps of the calling warp's ring (with one slice, the warp alone) meet: what each wrote to
+// shared memory before is visible to all after. Named barrier 1 + ring (0 is __syncthreads's).
+__device__ __forceinline__ void stream_sync() {
+    if constexpr (ROW_SLICES == 1) {
+        __syncwarp();
+    } else {
+        asm volatile("bar.sync %0, %1;" :: "r"(1 + ring_id()), "r"(32 * ROW_SLICES) : "memory");
+    }
+}
 
 // Tiles of [begin, end) that the row's w-th warp streams: w, w + ROW_WARPS, w + 2 ROW_WARPS, ...
 __device__ __forceinline__ int tiles_of_warp(int begin, int end, int w) {

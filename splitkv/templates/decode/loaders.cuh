@@ -4,15 +4,16 @@
 
 namespace splitkv::decode {
 namespace {
-// tma: the ring stages' barriers (K rows, V rows), per warp. A function's own, so that programs
+// tma: the ring stages' barriers (K rows, V rows), per ring. A function's own, so that programs
 // that never call it (cp.async) hold no such array.
-__device__ __forceinline__ auto stage_barriers() -> unsigned long long (&)[WARPS][STAGES][2] {
-    __shared__ unsigned long long stage_full[WARPS][STAGES][2];
+__device__ __forceinline__ auto stage_barriers() -> unsigned long long (&)[RINGS][STAGES][2] {
+    __shared__ unsigned long long stage_full[RINGS][STAGES][2];
     return stage_full;
 }
 
 // The warp's t-th tile is tile row_warp + t x ROW_WARPS of the CTA's token range, into ring stage
-// t % STAGES. `begin`, `my_tiles` and `fetch_end` are the kernel's: the range is first taken as if
+// t % STAGES. The warps of a ring's row slices copy a share of each tile each (tma: slice 0 asks
+// for the whole tile), and each waits for the whole. `begin`, `my_tiles` and `fetch_end` are the kernel's: the range is first taken as if
 // the sequence filled the cache (so the first tiles are in flight before the length arrives),
 // then trimmed in place.
 struct TileLoader {
@@ -118,8 +119,9 @@ struct TileLoader {
     // Paged: the map's rows are a page's tokens (NHD: of every K/V head) or one K/V head's
     // tokens (HND); a tile of several pages comes as a box per page, lane j asking for page j's.
     __device__ __forceinline__ void copy_by_maps(int t, int first, int slot0, unsigned char* k_tile, unsigned char* v_tile) {
+        if (slice_id() != 0) return;  // the stage's barriers expect one slice's copies
         const int lane = lane_id();
-        unsigned long long* bars = stage_barriers()[warp_id()][t % STAGES];
+        unsigned long long* bars = stage_barriers()[ring_id()][t % STAGES];
         if constexpr (ROW_BOXES > 1) {
             if (lane < 2) splitkv::mbarrier_arrive_expect_tx(bars + lane, TILE * ROW_BYTES);
             __syncwarp();
@@ -146,63 +148,73 @@ struct TileLoader {
             splitkv::cp_async_mbarrier_arrive_noinc(bars + 1);
         }
     }
-    // Every lane copies 16-byte pieces of the tile's rows, K and V in cp.async groups of their own.
+    // Every lane copies 16-byte pieces of the tile's rows, K and V in cp.async groups of their own;
+    // of a ring's row slices, slice s the pieces i = s, s + ROW_SLICES, ... of each lane (and slice 0
+    // NVFP4's block scales).
     __device__ __forceinline__ void copy_by_lanes(int first, int slot0, unsigned char* k_tile, unsigned char* v_tile) {
-        const int lane = lane_id();
+        const int lane = lane_id(), slice = slice_id();
+        constexpr int PIECES = (LOADS_PER_LANE + ROW_SLICES - 1) / ROW_SLICES;  // per lane of each slice
+        auto piece = [&](int j) { return slice + ROW_SLICES * j; };
+        auto has_piece = [&](int j) { return LOADS_PER_LANE % ROW_SLICES == 0 || piece(j) < LOADS_PER_LANE; };
         const unsigned char* const k_src = k_head;
         const unsigned char* const v_src = v_head;
         const unsigned char* const k_scale_src = k_scales_head;
         const unsigned char* const v_scale_src = v_scales_head;
-        // The page of the lane's i-th 16-byte piece (row (lane + 32 i) / ROW_CHUNKS of the tile).
-        int piece_page[LOADS_PER_LANE];
+        // The page of the lane's j-th 16-byte piece (row (lane + 32 piece(j)) / ROW_CHUNKS of the tile).
+        int piece_page[PIECES];
 #pragma unroll
-        for (int i = 0; i < LOADS_PER_LANE; ++i)
-            piece_page[i] = TILE_PAGES == 1 && i > 0 ? piece_page[0] : row_page(pages_now, slot0, (lane + 32 * i) / ROW_CHUNKS);
-        auto copy = [&](int i, unsigned char* tile, const unsigned char* head) {  // the lane's i-th 16-byte piece
-            const int c = lane + 32 * i, r = c / ROW_CHUNKS, col = (c % ROW_CHUNKS) * 16;
+        for (int j = 0; j < PIECES; ++j)
+            piece_page[j] = TILE_PAGES == 1 && j > 0 ? piece_page[0]
+                          : row_page(pages_now, slot0, min((lane + 32 * piece(j)) / ROW_CHUNKS, TILE - 1));
+        auto copy = [&](int j, unsigned char* tile, const unsigned char* head) {  // the lane's j-th 16-byte piece
+            if (!has_piece(j)) return;
+            const int c = lane + 32 * piece(j), r = c / ROW_CHUNKS, col = (c % ROW_CHUNKS) * 16;
             const int token = first + r;
             const bool valid = token < fetch_end;
-            splitkv::cp_async_16(tile + r * ROW + col, head + token_row(piece_page[i], valid ? token : first) * ROW_BYTES + col,
+            splitkv::cp_async_16(tile + r * ROW + col, head + token_row(piece_page[j], valid ? token : first) * ROW_BYTES + col,
                                  valid ? 16 : 0);
+        };
+        auto copy_slice_scales = [&](unsigned char* tile, const unsigned char* head) {
+            if (slice == 0) copy_scales(tile, head, fetch_end, first, slot0);
         };
         if constexpr (WAIT_V_LATER) {  // K, then V, in groups of their own
 #pragma unroll
-            for (int i = 0; i < LOADS_PER_LANE; ++i) copy(i, k_tile, k_src);
-            copy_scales(k_tile, k_scale_src, fetch_end, first, slot0);
+            for (int j = 0; j < PIECES; ++j) copy(j, k_tile, k_src);
+            copy_slice_scales(k_tile, k_scale_src);
             splitkv::cp_async_commit();
 #pragma unroll
-            for (int i = 0; i < LOADS_PER_LANE; ++i) copy(i, v_tile, v_src);
-            copy_scales(v_tile, v_scale_src, fetch_end, first, slot0);
+            for (int j = 0; j < PIECES; ++j) copy(j, v_tile, v_src);
+            copy_slice_scales(v_tile, v_scale_src);
             splitkv::cp_async_commit();
         } else {  // K and V interleaved in one group (fewer live addresses), then an empty one
 #pragma unroll
-            for (int i = 0; i < LOADS_PER_LANE; ++i) {
-                copy(i, k_tile, k_src);
-                copy(i, v_tile, v_src);
+            for (int j = 0; j < PIECES; ++j) {
+                copy(j, k_tile, k_src);
+                copy(j, v_tile, v_src);
             }
-            copy_scales(k_tile, k_scale_src, fetch_end, first, slot0);
-            copy_scales(v_tile, v_scale_src, fetch_end, first, slot0);
+            copy_slice_scales(k_tile, k_scale_src);
+            copy_slice_scales(v_tile, v_scale_src);
             splitkv::cp_async_commit();
             splitkv::cp_async_commit();
         }
     }
     // Tile t's K rows (kv = 0), or its K and V rows (kv = 1), have landed in its stage, visible to
-    // the whole warp. Two groups are committed per tile: after tile t's first come its second and
-    // 2 (STAGES - 1) more.
+    // the whole warp (and, copied by several row slices, to each of them). Two groups are committed
+    // per tile: after tile t's first come its second and 2 (STAGES - 1) more.
     __device__ __forceinline__ void wait_tile(int t, int kv) const {
         if constexpr (SWIZZLED) {
-            for (int j = 0; j <= kv; ++j) splitkv::mbarrier_wait(&stage_barriers()[warp_id()][t % STAGES][j], (t / STAGES) & 1);
+            for (int j = 0; j <= kv; ++j) splitkv::mbarrier_wait(&stage_barriers()[ring_id()][t % STAGES][j], (t / STAGES) & 1);
         } else {
             if (kv == 0) splitkv::cp_async_wait<2 * STAGES - 1>();
             else splitkv::cp_async_wait<2 * STAGES - 2>();
-            __syncwarp();
+            stream_sync();
         }
     }
     // Tiles loaded but never waited for land before shared memory is reused.
     __device__ __forceinline__ void drain(int loaded) const {
         if constexpr (SWIZZLED) {
             for (int t = my_tiles; t < loaded; ++t)
-                for (int kv = 0; kv < 2; ++kv) splitkv::mbarrier_wait(&stage_barriers()[warp_id()][t % STAGES][kv], (t / STAGES) & 1);
+                for (int kv = 0; kv < 2; ++kv) splitkv::mbarrier_wait(&stage_barriers()[ring_id()][t % STAGES][kv], (t / STAGES) & 1);
         } else {
             (void)loaded;
             splitkv::cp_async_wait<0>();

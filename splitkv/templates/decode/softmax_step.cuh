@@ -46,7 +46,8 @@ __device__ __forceinline__ float online_softmax_update(float& m_run, float& l_ru
 // ([0]) and 2(lane%4) + 1 ([1]), O held transposed (o[mb] has dims mb*16 + lane/4, and + 8).
 // Heads: rows lane/4 ([0]) and lane/4 + 8 ([1]). l is this lane's partial sum over its tokens.
 // (No lane members: each step reads the lane as lane_id says, with qr = lane/4 and qc = 2(lane%4).)
-// Rows are the CTA's rows (query tokens x query heads, see decode.cu.j2's ROWS).
+// Rows are the warp's rows of the CTA's (query tokens x query heads, see decode.cu.j2's ROWS): its
+// row slice's 16.
 struct WarpSoftmax {
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float o[O_BLOCKS][4];
@@ -259,8 +260,9 @@ struct WarpSoftmax {
                 l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], mask);
         }
     }
-    // Warp `warp`'s part of `states`, O times `o_factor`.
-    __device__ __forceinline__ void store(WarpStates states, int warp, float o_factor) const {
+    // The warp's part of `states`: its rows from `row0` on (its row slice's) of token stream
+    // `stream`, O times `o_factor`.
+    __device__ __forceinline__ void store(WarpStates states, int stream, int row0, float o_factor) const {
         [[maybe_unused]] const int lane = lane_id(), qr = lane / 4, qc = 2 * (lane % 4);
         float* warp_m = states.m();
         float* warp_l = states.l();
@@ -268,15 +270,15 @@ struct WarpSoftmax {
         if constexpr (MMA_TOKENS) {
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                const int row = qc + j;  // query head 2(lane%4) + j
+                const int row = row0 + qc + j;  // query head 2(lane%4) + j
                 if (row < ROWS) {
                     if (lane < 4) {
-                        warp_m[warp * 16 + row] = m_run[j];
-                        warp_l[warp * 16 + row] = l_run[j];
+                        warp_m[WarpStates::at(stream, row)] = m_run[j];
+                        warp_l[WarpStates::at(stream, row)] = l_run[j];
                     }
 #pragma unroll
                     for (int mb = 0; mb < HEAD_DIM / 16; ++mb) {
-                        float* dst = warp_o + ((size_t)warp * ROWS + row) * HEAD_DIM;
+                        float* dst = warp_o + ((size_t)stream * ROWS + row) * HEAD_DIM;
                         dst[o_dim(mb, qr, 2)] = o[mb][j] * o_factor;
                         dst[o_dim(mb, qr + 8, 2)] = o[mb][2 + j] * o_factor;
                     }
@@ -285,15 +287,15 @@ struct WarpSoftmax {
         } else {
 #pragma unroll
             for (int h = 0; h < (ROWS16 ? 2 : 1); ++h) {
-                const int row = qr + 8 * h;
+                const int row = row0 + qr + 8 * h;
                 if (row < ROWS) {
                     if (lane % 4 == 0) {
-                        warp_m[warp * 16 + row] = m_run[h];
-                        warp_l[warp * 16 + row] = l_run[h];
+                        warp_m[WarpStates::at(stream, row)] = m_run[h];
+                        warp_l[WarpStates::at(stream, row)] = l_run[h];
                     }
 #pragma unroll
                     for (int nd = 0; nd < D_BLOCKS; ++nd) {
-                        float* dst = warp_o + ((size_t)warp * ROWS + row) * HEAD_DIM;
+                        float* dst = warp_o + ((size_t)stream * ROWS + row) * HEAD_DIM;
                         if constexpr (W == 1) {  // columns qc, qc + 1 are adjacent elements
                             *reinterpret_cast<float2*>(dst + nd * 8 + qc) = make_float2(o[nd][2 * h] * o_factor, o[nd][2 * h + 1] * o_factor);
                         } else {

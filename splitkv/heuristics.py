@@ -143,17 +143,19 @@ def _short_pages(spec: KernelSpec) -> bool:
 def saturating_ctas(spec: KernelSpec) -> int | None:
     """CTAs of ``spec`` whose rings together hold `SATURATING_BYTES_IN_FLIGHT` (times
     `SHORT_PAGE_IN_FLIGHT_FACTOR` on pages shorter than a tile), for the planner's short-row rule
-    (`plan.plan_splits`). None for NVFP4, whose decode is bound by instruction issue (see
-    `takes_whole_row_clusters`): every CTA an SM holds counts. A K/V head of several row blocks
-    has each block's CTA read the same bytes, so its CTAs count once per row block (they hold
-    1 / row_blocks of the distinct bytes in flight that HBM sees)."""
-    if spec.kv_dtype == "nvfp4":
+    (`plan.plan_splits`). None where a CTA streams slower than its bytes in flight allow, so that
+    every CTA an SM holds counts (the wave model): NVFP4, whose decode is bound by instruction
+    issue (see `takes_whole_row_clusters`), and several query tokens on 16-row MMAs, where each
+    warp's math on a tile outlasts the tile's arrival (measured at 32/8, D=128 over 64k: 64 CTAs of
+    32 rows took 149 µs, twice what 16 rows took on them; docs/experiments.md: "Row slices: several
+    warps over one ring"). Rows of several row blocks per K/V head are always the latter."""
+    if spec.kv_dtype == "nvfp4" or (spec.query_tokens > 1 and spec.mma_rows == 16):
         return None
     in_flight = SATURATING_BYTES_IN_FLIGHT
     if _short_pages(spec):
         numerator, denominator = SHORT_PAGE_IN_FLIGHT_FACTOR[spec.kv_copy]
         in_flight = in_flight * numerator // denominator
-    return spec.row_blocks * -(-in_flight // spec.smem_bytes)
+    return -(-in_flight // spec.smem_bytes)
 
 
 def few_splits_max_bytes(spec: KernelSpec) -> int:

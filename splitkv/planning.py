@@ -173,7 +173,8 @@ def check_units_request(max_len: int, *, may_grow: bool, num_splits: int | None,
 def short_row_plan(wave: SplitPlan, lengths, max_len: int, num_kv_heads: int, programs: Programs,
                    gpu: GpuFacts) -> SplitPlan:
     """The short-row rule's plan of these lengths (`plan_splits` with the saturating CTAs), or the
-    wave model's ``wave`` where the rule does not apply: no saturating count (NVFP4), a tuned
+    wave model's ``wave`` where the rule does not apply: no saturating count (NVFP4, several query
+    tokens on 16-row MMAs: `heuristics.saturating_ctas`), a tuned
     program measured without the rule (its entry's `planner`: a tuned program launches what the
     tuner measured), or rows that run dense under either rule."""
     split, tuned = programs.split, programs.tuned
@@ -182,13 +183,8 @@ def short_row_plan(wave: SplitPlan, lengths, max_len: int, num_kv_heads: int, pr
             lengths.size * num_kv_heads, max_len,
             chunk_size=split.chunk_size, num_sms=gpu.num_sms, ctas_per_sm=gpu.ctas_per_sm):
         return wave
-    saturating = gpu.saturating_ctas
-    if split.row_blocks > 1:
-        # Row blocks count their CTAs once per block (`heuristics.saturating_ctas`), up to the most
-        # whole rows of CTAs one per SM holds: past it the rule would plan a partial second wave.
-        saturating = min(saturating, max(gpu.num_sms - gpu.num_sms % num_kv_heads, num_kv_heads))
     return plan_splits_unchecked(lengths, max_len, num_kv_heads, split.chunk_size, gpu.num_sms, gpu.ctas_per_sm,
-                                 saturating_ctas=saturating, kv_bytes_per_token=split.kv_bytes_per_token,
+                                 saturating_ctas=gpu.saturating_ctas, kv_bytes_per_token=split.kv_bytes_per_token,
                                  max_split_bytes=gpu.few_splits_max_bytes)
 
 

@@ -252,14 +252,14 @@ def test_saturating_ctas_count_the_bytes_in_flight():
     assert saturating_ctas(paged16) == -(-SATURATING_BYTES_IN_FLIGHT * 4 // 3 // paged16.smem_bytes) == 63
     assert saturating_ctas(default_spec("sm_90", 128, 4, page_size=64)) == 47
     assert saturating_ctas(default_spec("sm_90", 128, 4, kv_dtype="nvfp4")) is None
-    # Several row blocks per K/V head read the same bytes: each block's CTAs count once.
-    wide = default_spec("sm_90", 128, 16, query_tokens=16)  # 256 rows: two blocks of 8 row slices
-    assert (wide.row_blocks, wide.row_slices) == (2, 8)
-    assert saturating_ctas(wide) == 2 * -(-SATURATING_BYTES_IN_FLIGHT // wide.smem_bytes)
-    # Row slices share one ring: a CTA's bytes in flight are its token streams' rings.
+    # Several query tokens on 16-row MMAs stream slower than their bytes allow: the wave model
+    # (row slices and row blocks alike); 8 rows on the tokens layout keep the rule.
     t8 = default_spec("sm_90", 128, 4, query_tokens=8)
     assert (t8.row_blocks, t8.row_slices, t8.token_streams) == (1, 2, 4)
-    assert saturating_ctas(t8) == -(-SATURATING_BYTES_IN_FLIGHT // t8.smem_bytes)
+    assert saturating_ctas(t8) is None and saturating_ctas(default_spec("sm_90", 128, 4, query_tokens=4)) is None
+    t2 = default_spec("sm_90", 128, 4, query_tokens=2)
+    assert t2.mma_rows == 8 and saturating_ctas(t2) == -(-SATURATING_BYTES_IN_FLIGHT // t2.smem_bytes)
+    assert saturating_ctas(default_spec("sm_90", 128, 16)) is not None  # one token, 16 rows
 
 
 def test_the_short_row_rule_takes_shorter_splits_on_boxed_short_pages():

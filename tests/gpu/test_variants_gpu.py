@@ -210,7 +210,7 @@ def test_units_and_a_warp_per_kv_head():
     units = lambda attn: attn._launch.spec.variant == "units"  # noqa: E731
     run_variant([20000, 30, 40, 500, 7], query_tokens=2, cap=30.0, sinks=True, variant="units", expect=units)
     run_variant([20000, 30, 40, 500, 7], query_tokens=4, sinks=True, group=4, variant="units", expect=units)
-    run_variant([20000, 30, 40, 500, 7], query_tokens=8, cap=30.0, group=4, variant="units",
+    run_variant([20000, 30, 40, 500, 8], query_tokens=8, cap=30.0, group=4, variant="units",
                 expect=lambda attn: units(attn) and attn._launch.spec.row_slices == 2)  # 32 rows: two slices
     packed = lambda attn: attn._launch.spec.warp_heads  # noqa: E731
     run_variant([700] * 8, window_left=300, cap=30.0, sinks=True, num_kv=8, variant="dense", warp_heads=True,

@@ -14,7 +14,7 @@ import dataclasses
 
 from . import streams, variants
 from .heuristics import few_splits_max_bytes, resident_ctas_per_sm, saturating_ctas
-from .spec import KernelSpec
+from .spec import KernelSpec, SharedMemoryError
 
 #: Loaded programs a cache keeps before starting afresh (an instance drops the specs of tuned
 #: entries it no longer plans with).
@@ -71,13 +71,19 @@ class ProgramCache:
         return held[1]
 
     def with_variant(self, name: str, source: KernelSpec, attention: variants.AttentionVariant) -> KernelSpec:
-        """``source`` with ``attention``'s variant compiled in (``source`` itself for plain
-        attention), kept under ``name`` while the source and the variant stay."""
-        if attention.is_plain:
+        """``source`` with ``attention``'s variant compiled in (``source`` itself where it has it),
+        kept under ``name`` while the source and the variant stay."""
+        if source.compiled_variant == attention.compiled:
             return source
         held = self._variants.get(name)
         if held is None or held[1] != attention.compiled or not same_spec(held[0], source):
-            held = self._variants[name] = (source, attention.compiled, attention.of(source))
+            try:
+                derived = attention.of(source)
+            except SharedMemoryError as e:  # a shape of several tokens' row slices, asked for fewer
+                raise ValueError(f"query_tokens: {source.name} serves {source.query_tokens} query token(s) per "
+                                 f"sequence; with {attention.query_tokens} its rings need more shared memory "
+                                 f"than the GPU has ({e})") from e
+            held = self._variants[name] = (source, attention.compiled, derived)
         return held[2]
 
     def split_program(self, spec: KernelSpec) -> SplitProgram:

@@ -122,10 +122,13 @@ class DecodeAttention:
             if given is not None and given.warp_heads:
                 raise ValueError(f"{name}: warp_heads is chosen per plan, not per instance; "
                                  "use plan(..., warp_heads=True)")
-        # A given program's attention variant comes from each plan: its CTA shape is what it gives.
-        base = spec.with_variant() if spec is not None else default_spec(self.arch, *layout, **paging)
+        # A given program's attention variant comes from each plan: its CTA shape is what it gives,
+        # for the query tokens it gives (row slices share rings, so a shape of several tokens may
+        # hold more rings than one token's would: such a shape serves plans of its own tokens).
+        base = (spec.with_variant(spec.query_tokens) if spec is not None
+                else default_spec(self.arch, *layout, **paging))
         if dense_spec is not None:
-            dense_spec = dense_spec.with_variant()
+            dense_spec = dense_spec.with_variant(dense_spec.query_tokens)
         self.split_spec = base.replace(arch=self.arch, variant="split", **paging)
         if dense_spec is not None:
             self.dense_spec = dense_spec.replace(arch=self.arch, **paging).as_dense()

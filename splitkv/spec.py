@@ -357,6 +357,11 @@ class KernelSpec:
         return 8 if self.cta_rows <= 8 else 16
 
     @property
+    def compiled_variant(self) -> tuple:
+        """The `with_variant` arguments this program was built with."""
+        return (self.query_tokens, self.window, self.soft_cap, self.sinks)
+
+    @property
     def has_variant(self) -> bool:
         """Whether any attention variant is compiled in (see `with_variant`)."""
         return self.query_tokens > 1 or self.window or self.soft_cap or self.sinks

@@ -54,8 +54,8 @@ class AttentionVariant:
         return self.logits_soft_cap * _LOG2E
 
     def of(self, spec: KernelSpec) -> KernelSpec:
-        """``spec`` with this variant compiled in (``spec`` itself for plain attention)."""
-        return spec if self.is_plain else spec.with_variant(*self.compiled)
+        """``spec`` with this variant compiled in (``spec`` itself where it has it)."""
+        return spec if spec.compiled_variant == self.compiled else spec.with_variant(*self.compiled)
 
     def check_plan(self, lengths: np.ndarray, warp_heads) -> None:
         """ValueError for what a plan of this variant cannot serve: lengths shorter than the query

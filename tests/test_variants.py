@@ -214,3 +214,20 @@ def test_batch_invariant_plans_split_each_sequence_by_its_own_length(fake_gpu):
     # With a window, the window's tokens are split alike.
     plan = attn.plan([70000, 100], deterministic=True, window_left=4000)
     assert plan.tokens_per_split == BATCH_INVARIANT_TOKENS and plan.splits_per_seq[0] == -(-(4000 + 1 + 31) // 1024)
+
+
+def test_a_given_shape_of_several_tokens_serves_its_own_tokens(fake_gpu):
+    """Row slices share rings, so a shape of 8 tokens (two slices, four stages) may hold more rings
+    than one token's would: an instance given it plans its own tokens with it, and says why it
+    cannot plan one token."""
+    eight = default_spec("sm_90", 128, 4, query_tokens=8)
+    assert eight.row_slices == 2 and eight.stages == 4
+    with pytest.raises(ValueError, match="shared memory"):
+        eight.with_variant(1)
+    attn = runtime.DecodeAttention(32, 8, 128, spec=eight)
+    attn.plan([30000], query_tokens=8)
+    assert attn._launch.spec == eight
+    attn.plan([30000], query_tokens=8, logits_soft_cap=30.0)
+    assert attn._launch.spec == eight.with_variant(8, soft_cap=True)
+    with pytest.raises(ValueError, match="serves 8 query token"):
+        attn.plan([30000])

@@ -26,7 +26,7 @@ from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clus
 from .launch import MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart, read_array, read_arrays
 from .plan import SplitPlan
 from .program_cache import ProgramCache, same_spec
-from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, KernelSpec, MergeSpec
+from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, WARP_ROWS, KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 from .tuned import lookup
 from .tuned.keys import TuneKey
@@ -291,18 +291,18 @@ class DecodeAttention:
         may_grow = host_lens is not lens
         if variant != "units" and max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")
-        # The programs with the plan's attention variant compiled in (the same objects for plain
-        # attention), and the rows the planner sees: a K/V head's row blocks each (several CTAs
-        # share a head whose query heads x tokens exceed one MMA tile), over the tokens the
+        # The programs with the plan's attention variant compiled in (the same objects where they
+        # have it), and the rows the planner sees: a K/V head's row blocks each (several CTAs share
+        # a head whose query heads x tokens exceed one CTA's row slices), over the tokens the
         # programs stream (with a window, the window's).
         split_spec = self._programs.with_variant("split", self.split_spec, attention)
         dense_spec = self._programs.with_variant("dense", self.dense_spec, attention)
         row_heads = self.num_kv_heads * split_spec.row_blocks
         units_allowed = attention.window_left < 0 and split_spec.rows_fit_units
         if variant == "units" and not units_allowed:
-            raise ValueError("variant: 'units' plans serve neither a window nor more than 16 rows (query heads x "
-                             f"query tokens) per K/V head; this plan has window_left={attention.window_left} and "
-                             f"{split_spec.rows} rows")
+            raise ValueError("variant: 'units' plans serve neither a window nor more rows (query heads x query "
+                             f"tokens) per K/V head than one CTA holds ({WARP_ROWS} x warps={split_spec.warps}); this "
+                             f"plan has window_left={attention.window_left} and {split_spec.rows} rows")
         # The planners' lengths, checked already: int64, which they take as they are (see
         # plan.plan_splits_unchecked), converted once here.
         planned = attention.planned_lengths(host_lens.astype(np.int64), split_spec.tile_tokens)

@@ -260,7 +260,7 @@ __device__ __forceinline__ void decode_program(
     softmax.sum_lanes();
     __syncthreads();
     const WarpStates states{reinterpret_cast<float*>(smem)};
-    softmax.store(states, WARP_HEADS ? warp : row_warp, slice_row0, o_factor);
+    softmax.store(states, ring_id(), slice_row0, o_factor);  // its ring's state (warp_heads: its own)
     if constexpr (SINKS && !WARP_HEADS) {
         if (threadIdx.x < ROWS) states.row_sink2()[threadIdx.x] = (WAIT_V_LATER ? sink_raw : load_sink()) * 1.4426950408889634f;
     }

@@ -416,3 +416,31 @@ def test_a_strided_cache_view_is_read_in_place(standin):
     assert call.kv_shape == (batch, 2, length, 64) and weights is None
     ref, _ = integration.sdpa_attention_forward(attn, q, k, v, mask, scaling=attn.scaling)
     torch.testing.assert_close(out, ref, **TOLERANCE)
+
+
+def test_compiled_decode_refuses_the_models_its_static_steps_cannot_take(standin, monkeypatch):
+    """StaticCache's sliding layers are rings of the window's tokens, and the plan is of bf16/fp16
+    programs: such models are refused by name before anything is planned."""
+    for name in ("mistral", "gemma2", "gpt_oss"):
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            integration.CompiledDecode(_model(name), batch_size=2, max_cache_len=64)
+    with pytest.raises(ValueError, match="bf16 or fp16 models"):
+        integration.CompiledDecode(_model("llama"), batch_size=2, max_cache_len=64)  # float32
+
+
+@pytest.mark.parametrize("case", ["softcap", "sinks", "scale", "tokens"])
+def test_a_compiled_step_refuses_what_its_plan_does_not_compute(standin, case):
+    """A step that carries a plan runs splitkv's op or raises: never a silent fallback, since the
+    plan, not the call, fixes what is computed."""
+    attn = _model("llama").model.layers[0].self_attn
+    tokens = 17 if case == "tokens" else 1
+    q = torch.randn(2, 8, tokens, 64).transpose(1, 2).contiguous().transpose(1, 2)
+    k = v = torch.randn(2, 2, 32, 64)
+    keywords = {integration.PLAN_KEYWORD: torch.full((2,), 20, dtype=torch.int32), integration.HANDLE_KEYWORD: 1,
+                integration.SCALE_KEYWORD: attn.scaling}
+    extra = {"softcap": {"softcap": 30.0}, "sinks": {"s_aux": torch.zeros(8)}, "scale": {}, "tokens": {}}[case]
+    scaling = attn.scaling * (2 if case == "scale" else 1)
+    match = {"softcap": "soft-cap", "sinks": "sinks", "scale": "scale", "tokens": "more than 16"}[case]
+    with pytest.raises(ValueError, match=match):
+        integration.attention_forward(attn, q, k, v, None, scaling=scaling, **keywords, **extra)
+    assert standin.calls == [] and standin.fallbacks == []

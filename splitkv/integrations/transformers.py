@@ -28,6 +28,12 @@ How a call is proved to be such a decode step, with no host sync per layer:
 - The attention function takes a marked mask, or None at one query token (where sdpa attends to
   every key, as a decode step does), whose shape matches the layer's query and keys.
 
+Compiled decode steps: `CompiledDecode` plans once for a StaticCache and hands each step's plan to
+the attention function as keyword arguments of the model call, which reach it through the
+model's own ``**kwargs``; the step then runs the ``splitkv::run`` custom op
+(`splitkv.integrations.torch_ops`), which ``torch.compile(model, fullgraph=True)`` traces and its
+CUDA-graph mode ("reduce-overhead") captures. See `CompiledDecode`.
+
 Sliding windows: transformers' mask lets the query at position p see keys at positions
 ``p - W < k <= p`` for ``sliding_window = W`` (masking_utils.sliding_window_overlay; flash
 attention's ``window_size=(W - 1, W - 1)`` says the same), which is splitkv's ``window_left = W -
@@ -131,7 +137,11 @@ def _cell(fn, code, name):
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function: query ``[B, Hq, T, D]``, key and value ``[B, Hkv, L, D]`` (the cache
     after this step's update), returns ``([B, T, Hq, D], None)`` like transformers' sdpa.
-    ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks) come as keywords, as transformers passes them."""
+    ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks) come as keywords, as transformers passes them;
+    so do a `CompiledDecode` step's plan and handle."""
+    plan = kwargs.pop(PLAN_KEYWORD, None)
+    if plan is not None:
+        return _planned_step(query, key, value, scaling, dropout, plan, kwargs), None
     window_left = _decode_window(query, key, attention_mask)
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
@@ -149,6 +159,84 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                          window_left=window_left, logits_soft_cap=0.0 if softcap is None else float(softcap),
                          sinks=None if sinks is None else _float32(sinks))
     return out, None
+
+
+#: The keywords of a `CompiledDecode` step: the plan tensor, the DecodeAttention's handle and scale.
+PLAN_KEYWORD, HANDLE_KEYWORD, SCALE_KEYWORD = "splitkv_plan", "splitkv_handle", "splitkv_scale"
+
+
+class CompiledDecode:
+    """Decode steps of a model over transformers' StaticCache, for ``torch.compile(model,
+    fullgraph=True)`` and its CUDA-graph mode (``mode="reduce-overhead"``).
+
+        steps = splitkv_hf.CompiledDecode(model, batch_size=B, max_cache_len=L)   # plans once
+        compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+        model(prompt, past_key_values=cache)                # the prefill: transformers' attention
+        for p in range(P, P + n):                           # token p of every sequence
+            logits = compiled(tokens, past_key_values=cache, position_ids=..., **steps.step(p + 1)).logits
+
+    One plan of device lengths covers every length up to ``max_cache_len`` (`DecodeAttention.plan`
+    with ``max_len``), so it is made once; `step` rewrites the lengths in place, outside the compiled
+    region (a copy on the current stream, no host sync), and returns the keyword arguments that carry
+    the plan into the attention function, which runs ``torch.ops.splitkv.run`` on the StaticCache's
+    ``[B, Hkv, max_cache_len, D]`` tensors in place. The attention function must be splitkv's
+    (`register`, then ``attn_implementation="splitkv"``); calls without these keywords, the prefill
+    among them, run as they do without them.
+
+    Every sequence of the batch holds its K/V from position 0 of its cache row (no left padding),
+    and every layer attends to the whole cache: StaticCache's sliding layers keep a ring of the
+    window's tokens, whose order splitkv does not read, so models with sliding layers, a logit
+    soft-cap or attention sinks are refused here (their uncompiled steps run through `register`).
+    """
+
+    def __init__(self, model, batch_size: int, max_cache_len: int, query_tokens: int = 1):
+        from . import torch_ops
+
+        config = getattr(model.config, "get_text_config", lambda: model.config)()
+        layer_types = set(getattr(config, "layer_types", None) or ())
+        if layer_types - {"full_attention"} or (not layer_types and getattr(config, "sliding_window", None)):
+            raise ValueError("CompiledDecode: the model has sliding-window layers, whose StaticCache layers are rings "
+                             "of the window's tokens; compiled steps take models whose layers all attend to the whole cache")
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError("CompiledDecode: a logit soft-cap is not planned for compiled steps")
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(model.dtype)
+        if dtype is None:
+            raise ValueError(f"CompiledDecode: the model is {model.dtype}; splitkv takes bf16 or fp16 models")
+        self.query_tokens = int(query_tokens)
+        # The scores' scale: the attention modules' own (each step checks that its layer's is the same).
+        scale = next((float(m.scaling) for m in model.modules() if isinstance(getattr(m, "scaling", None), float)),
+                     1.0 / head_dim ** 0.5)
+        self.attention = splitkv.DecodeAttention(heads, kv_heads, head_dim, q_dtype=dtype, kv_dtype=dtype,
+                                                 sm_scale=scale, kv_layout="HND")
+        self.lengths = torch.full((batch_size,), self.query_tokens, dtype=torch.int32, device=model.device)
+        self.attention.plan(self.lengths, max_len=max_cache_len, query_tokens=self.query_tokens)
+        torch._dynamo.mark_static_address(self.lengths)  # CUDA graphs read it where it is, not a copy
+        self._keywords = {PLAN_KEYWORD: torch_ops.plan_tensor(self.attention),
+                          HANDLE_KEYWORD: torch_ops.handle(self.attention), SCALE_KEYWORD: scale}
+
+    def step(self, lengths) -> dict:
+        """Sets every sequence's length to ``lengths`` (an int, or one per sequence: the tokens in
+        its cache after this step, its new ones included) and returns the model call's keywords."""
+        if isinstance(lengths, int):
+            self.lengths.fill_(lengths)
+        else:  # a host sequence is staged through pinned memory, so the copy does not wait for the GPU
+            self.lengths.copy_(torch.as_tensor(lengths, dtype=torch.int32).pin_memory(), non_blocking=True)
+        return dict(self._keywords)
+
+
+def _planned_step(query, key, value, scaling, dropout, plan, kwargs):
+    """A `CompiledDecode` step: ``torch.ops.splitkv.run`` under the plan the keywords carry."""
+    handle, planned_scale = kwargs.pop(HANDLE_KEYWORD), kwargs.pop(SCALE_KEYWORD)
+    reason = _unsupported(query, key, value, dropout, kwargs.get("softcap"), None, kwargs)
+    if reason is None and (kwargs.get("softcap") is not None or kwargs.get("s_aux", kwargs.get("sinks")) is not None):
+        reason = "a logit soft-cap or attention sinks"
+    if reason is None and scaling is not None and scaling != planned_scale:
+        reason = f"a layer's scale {scaling} (planned with {planned_scale})"
+    if reason is not None:
+        raise ValueError(f"splitkv: a CompiledDecode step cannot take {reason}")
+    return torch.ops.splitkv.run(query.transpose(1, 2).contiguous(), key, value, plan, handle)
 
 
 def _decode_window(query, key, attention_mask) -> int | None:

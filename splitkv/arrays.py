@@ -8,7 +8,7 @@ without a GPU.
 
 Accepted arrays: CuPy arrays, torch CUDA tensors, any object exposing ``__cuda_array_interface__``
 and any object exposing ``__dlpack__`` on a CUDA device. Element types are named with the
-vocabulary of `splitkv.spec` ('bf16', 'fp16') plus 'fp32' and 'int32'; anything else keeps its NumPy
+vocabulary of `splitkv.choices` ('bf16', 'fp16') plus 'fp32' and 'int32'; anything else keeps its NumPy
 name ('int64', 'uint16', ...).
 
 bf16 from CuPy: CuPy has no bfloat16 type of its own. A CuPy array created with

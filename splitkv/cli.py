@@ -121,23 +121,24 @@ def _flatten(groups):
 
 def _check_filters(parser, arch, head_dims, group_sizes, kv_dtypes) -> str:
     """Validate against the spec vocabulary here, so a typo is a usage error and not a traceback."""
-    from splitkv import spec
+    from splitkv.arch import arch_number, parse_arch
+    from splitkv.choices import HEAD_DIMS, KV_DTYPES, MAX_GROUP, QUANTIZED_KV_DTYPES
 
     try:
-        arch = spec.parse_arch(arch)
+        arch = parse_arch(arch)
     except ValueError as e:
         # spec's message starts with the field name; the user typed an option.
         parser.error("--arch: " + str(e).removeprefix("arch: "))
     for d in head_dims or ():
-        if d not in spec.HEAD_DIMS:
-            parser.error(f"--head-dim: {d} is not supported; choose from {list(spec.HEAD_DIMS)}")
+        if d not in HEAD_DIMS:
+            parser.error(f"--head-dim: {d} is not supported; choose from {list(HEAD_DIMS)}")
     for g in group_sizes or ():
-        if not 1 <= g <= spec.MAX_GROUP:
-            parser.error(f"--group: {g} is out of range; expected 1..{spec.MAX_GROUP}")
+        if not 1 <= g <= MAX_GROUP:
+            parser.error(f"--group: {g} is out of range; expected 1..{MAX_GROUP}")
     for t in kv_dtypes or ():
-        if t not in spec.KV_DTYPES:
-            parser.error(f"--dtype: {t!r} is not supported; choose from {list(spec.KV_DTYPES)}")
-        if t in spec.QUANTIZED_KV_DTYPES and spec.arch_number(arch) < 89:
+        if t not in KV_DTYPES:
+            parser.error(f"--dtype: {t!r} is not supported; choose from {list(KV_DTYPES)}")
+        if t in QUANTIZED_KV_DTYPES and arch_number(arch) < 89:
             parser.error(f"--dtype: {t} K/V need sm_89 or newer (E4M3 conversions); got {arch}")
     return arch
 
@@ -354,7 +355,7 @@ def _main(argv) -> int:
     kv_dtypes = _flatten(args.kv_dtypes)
     page_sizes = _flatten(args.page_sizes) or (0,)
     arch = _check_filters(parser, args.arch, head_dims, group_sizes, kv_dtypes)
-    from splitkv.spec import PAGE_SIZES
+    from splitkv.choices import PAGE_SIZES
 
     for page_size in page_sizes:
         if page_size not in (0, *PAGE_SIZES):

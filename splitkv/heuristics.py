@@ -9,9 +9,10 @@ docs/experiments.md, under the names given here.
 
 from __future__ import annotations
 
+from .arch import ARCHS, arch_number
+from .choices import QUANTIZED_KV_DTYPES, STAGES, TMA_SWIZZLE_ROWS, WARP_ROWS, row_slices, rows_fit_tma_boxes
 from .plan import FEW_SPLITS_MAX_BYTES
-from .spec import (ARCHS, STAGES, WARP_ROWS, QUANTIZED_KV_DTYPES, TMA_SWIZZLE_ROWS, KernelSpec, SharedMemoryError, arch_number,
-                   row_slices, rows_fit_tma_boxes)
+from .spec import KernelSpec, SharedMemoryError
 
 #: 32-bit registers per SM (the same from sm_80 through sm_120).
 _REGISTERS_PER_SM = 65536

@@ -35,7 +35,7 @@ import functools
 
 import numpy as np
 
-from .spec import NVFP4_BLOCK, QUANTIZE_FORMATS  # NVFP4_BLOCK: elements per NVFP4 block scale
+from .choices import NVFP4_BLOCK, QUANTIZE_FORMATS  # NVFP4_BLOCK: elements per NVFP4 block scale
 
 #: Largest finite magnitudes.
 E4M3_MAX = 448.0

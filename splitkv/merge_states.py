@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 
 from . import arrays, gpu, streams, tensors
+from .choices import HEAD_DIMS
 from .params import MERGE
-from .spec import HEAD_DIMS, MergeSpec
+from .spec import MergeSpec
 
 _LOG2E = 1.4426950408889634
 #: The merge program's CTA: a warp per merged row.

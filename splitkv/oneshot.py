@@ -11,9 +11,9 @@ import threading
 from collections import OrderedDict
 
 from . import arrays, gpu, streams, tensors, variants
+from .choices import KV_LAYOUTS
 from .launch import read_arrays
 from .runtime import DecodeAttention
-from .spec import KV_LAYOUTS
 
 #: decode()'s instances, most recently used last; each holds compiled programs and a workspace, so
 #: only the last few layouts and streams are kept.

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .choices import KV_LAYOUTS as PAGED_LAYOUTS
+from .choices import PAGE_SIZES
 from .plan import _check_lens, _positive_int
-from .spec import KV_LAYOUTS as PAGED_LAYOUTS
-from .spec import PAGE_SIZES
 
 
 def check_layout(layout: str, name: str = "layout") -> str:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .spec import SPLIT_PLAN_VARIANTS as VARIANTS
+from .choices import SPLIT_PLAN_VARIANTS as VARIANTS
 
 #: Predicted cost of one extra split, in tokens of K/V streamed by one CTA. A split writes, and the
 #: merge reads back, G x D fp32 partials per K/V head (about G tokens' worth of K/V bytes, twice),

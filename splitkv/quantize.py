@@ -15,9 +15,10 @@ import dataclasses
 import numpy as np
 
 from . import arrays, gpu, kv_formats, streams, tensors
+from .choices import QUANTIZE_IN_DTYPES
 from .paged import check_layout
 from .quantized_kv import QuantizedKV
-from .spec import QUANTIZE_IN_DTYPES, QuantizeSpec
+from .spec import QuantizeSpec
 
 #: Status bits the quantizer ORs into its status word (see quantize.cu.j2).
 NONFINITE_INPUT = 1

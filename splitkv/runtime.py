@@ -22,11 +22,12 @@ import threading
 import numpy as np
 
 from . import arrays, gpu, planning, streams, tensors, variants
+from .choices import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, WARP_ROWS
 from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clusters
 from .launch import MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart, read_array, read_arrays
 from .plan import SplitPlan
 from .program_cache import ProgramCache, same_spec
-from .spec import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, WARP_ROWS, KernelSpec, MergeSpec
+from .spec import KernelSpec, MergeSpec
 from .tensor_map import TensorMapCache
 from .tuned import lookup
 from .tuned.keys import TuneKey

@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from .spec import TMA_BOX_BYTES
+from .choices import TMA_BOX_BYTES
 
 #: CUtensorMap is 128 bytes, 64-byte aligned.
 MAP_BYTES = 128

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arrays, spec
+from . import arrays, choices
 from .arrays import (TensorInfo, check_aligned, check_contiguous_aligned, contiguous_strides, describe,
                      is_device_array)
 from .quantized_kv import QuantizedKV
@@ -70,7 +70,7 @@ def describe_kv(x: Any, name: str, kv_layout: str = "NHD") -> TensorInfo:
 def quantized_kv_info(kv_dtype: str, parts: QuantizedParts) -> TensorInfo:
     """A checked quantized K or V described as `describe_kv` does (logical shape, format as dtype)."""
     batch, length, heads, width = parts.values.shape
-    shape = (batch, length, heads, width * 8 // spec.KV_DTYPE_BITS[kv_dtype])
+    shape = (batch, length, heads, width * 8 // choices.KV_DTYPE_BITS[kv_dtype])
     return TensorInfo(parts.values.ptr, shape, contiguous_strides(shape), kv_dtype, parts.values.device,
                       parts.values.kind, parts.values.stream, parts.values.readonly)
 
@@ -80,9 +80,9 @@ def describe_quantized(x: Any, name: str, kv_layout: str = "NHD") -> QuantizedPa
     HND caches: [pages, Hkv, page_size, ...]), (NVFP4) uint8 block scales of the same leading shape
     and D / 16 last, float32 scale of 1 or Hkv values, contiguous, 16-byte aligned and on one
     device. TypeError / ValueError name the part."""
-    if x.kv_dtype not in spec.QUANTIZED_KV_DTYPES:
+    if x.kv_dtype not in choices.QUANTIZED_KV_DTYPES:
         raise ValueError(f"{name}: unknown quantized format {x.kv_dtype!r}; expected one of "
-                         f"{list(spec.QUANTIZED_KV_DTYPES)}")
+                         f"{list(choices.QUANTIZED_KV_DTYPES)}")
     values = describe(x.values, f"{name}.values")
     _check_rank(values, f"{name}.values", 4, "[batch, max_len, num_kv_heads, packed head_dim]")
     if values.dtype != "uint8":
@@ -94,7 +94,7 @@ def describe_quantized(x: Any, name: str, kv_layout: str = "NHD") -> QuantizedPa
         if x.block_scales is None:
             raise ValueError(f"{name}.block_scales: NVFP4 needs its block scales, got None")
         block_scales = describe(x.block_scales, f"{name}.block_scales")
-        expected = (*values.shape[:3], values.shape[3] * 2 // spec.NVFP4_BLOCK)
+        expected = (*values.shape[:3], values.shape[3] * 2 // choices.NVFP4_BLOCK)
         if block_scales.shape != expected or block_scales.dtype != "uint8":
             raise ValueError(f"{name}.block_scales: expected uint8 {expected}, got {block_scales.dtype} "
                              f"{block_scales.shape}")
@@ -122,7 +122,7 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
                         out: TensorInfo | None = None, lse: TensorInfo | None = None,
                         kv_layout: str | None = None, contiguous_layout: str = "NHD") -> DecodeShapes:
     """Validate contiguous q [B, Hq, D] or [B, T, Hq, D] (T query tokens per sequence, up to
-    `spec.MAX_QUERY_TOKENS`), k and v [B, L_max, Hkv, D], out of q's shape, lse of q's shape
+    `choices.MAX_QUERY_TOKENS`), k and v [B, L_max, Hkv, D], out of q's shape, lse of q's shape
     without its last axis.
     With ``kv_layout`` ('NHD' or 'HND'), k and v are paged caches of that layout (see
     `splitkv.paged`), of any number of pages. Without it, ``contiguous_layout`` 'HND' reads k and v
@@ -139,12 +139,12 @@ def check_decode_inputs(q: TensorInfo, k: TensorInfo, v: TensorInfo, *,
     if q.ndim != 4:
         _check_rank(q, "q", 3, "[batch, num_qo_heads, head_dim] (or [batch, query_tokens, num_qo_heads, head_dim])")
     _check_rank(k, "k", 4, PAGED_SHAPES[kv_layout] if kv_layout else CONTIGUOUS_SHAPES[contiguous_layout])
-    _check_dtype(q, "q", spec.Q_DTYPES)
-    _check_dtype(k, "k", spec.KV_DTYPES)
+    _check_dtype(q, "q", choices.Q_DTYPES)
+    _check_dtype(k, "k", choices.KV_DTYPES)
     if q.ndim == 4:
         batch, query_tokens, num_qo_heads, head_dim = q.shape
-        if not 1 <= query_tokens <= spec.MAX_QUERY_TOKENS:
-            raise ValueError(f"q: expected 1 to {spec.MAX_QUERY_TOKENS} query tokens per sequence (q.shape[1]), "
+        if not 1 <= query_tokens <= choices.MAX_QUERY_TOKENS:
+            raise ValueError(f"q: expected 1 to {choices.MAX_QUERY_TOKENS} query tokens per sequence (q.shape[1]), "
                              f"got shape {q.shape}")
     else:
         (batch, num_qo_heads, head_dim), query_tokens = q.shape, 1
@@ -246,9 +246,9 @@ def _check_dtype(info: TensorInfo, name: str, allowed) -> None:
 
 
 def _check_head_dim(head_dim: int) -> None:
-    if head_dim not in spec.HEAD_DIMS:
+    if head_dim not in choices.HEAD_DIMS:
         raise ValueError(f"q: head_dim {head_dim} (q.shape[-1]) is not supported; expected one of "
-                         f"{list(spec.HEAD_DIMS)}")
+                         f"{list(choices.HEAD_DIMS)}")
 
 
 def _check_dim(info: TensorInfo, name: str, axis: int, expected: int, what: str, source: str) -> None:
@@ -265,9 +265,9 @@ def _group_size(num_qo_heads: int, num_kv_heads: int) -> int:
         raise ValueError(f"k: num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads} (q.shape[1] must be a whole number of k.shape[2])")
     group_size = num_qo_heads // num_kv_heads
-    if group_size > spec.MAX_GROUP:
+    if group_size > choices.MAX_GROUP:
         raise ValueError(f"k: group size num_qo_heads / num_kv_heads = {num_qo_heads} / {num_kv_heads} "
-                         f"= {group_size} is more than the supported {spec.MAX_GROUP}")
+                         f"= {group_size} is more than the supported {choices.MAX_GROUP}")
     return group_size
 
 

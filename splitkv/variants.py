@@ -25,7 +25,8 @@ import numbers
 
 import numpy as np
 
-from .spec import MAX_QUERY_TOKENS, KernelSpec
+from .choices import MAX_QUERY_TOKENS
+from .spec import KernelSpec
 
 _LOG2E = 1.4426950408889634
 

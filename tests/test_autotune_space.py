@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from splitkv.arch import arch_number
 from splitkv.autotune import space
+from splitkv.choices import QUANTIZED_KV_DTYPES
 from splitkv.heuristics import default_spec
-from splitkv.spec import QUANTIZED_KV_DTYPES, KernelSpec, arch_number
+from splitkv.spec import KernelSpec
 from splitkv.tuned.keys import TuneKey
 
 from autotune_helpers import ARCH, KEY

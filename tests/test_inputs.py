@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from splitkv import spec
+from splitkv import choices
 from splitkv.arrays import TensorInfo, describe, stream_ptr, to_cupy, wrap_like
 from splitkv.tensors import DecodeShapes, check_decode_inputs, check_seq_lens
 
@@ -318,8 +318,8 @@ def test_happy_path_from_described_arrays():
     assert (shapes.group_size, shapes.max_len, shapes.q_dtype, shapes.kv_dtype) == (16, 33, "bf16", "bf16")
 
 
-@pytest.mark.parametrize("head_dim", spec.HEAD_DIMS)
-@pytest.mark.parametrize("q_dtype, kv_dtype", [(a, b) for a in spec.Q_DTYPES for b in spec.KV_DTYPES])
+@pytest.mark.parametrize("head_dim", choices.HEAD_DIMS)
+@pytest.mark.parametrize("q_dtype, kv_dtype", [(a, b) for a in choices.Q_DTYPES for b in choices.KV_DTYPES])
 def test_every_supported_head_dim_and_dtype(head_dim, q_dtype, kv_dtype):
     q = info((1, 4, head_dim), q_dtype)
     k = info((1, 5, 4, head_dim), kv_dtype)
@@ -392,10 +392,10 @@ def test_group_size_must_be_whole():
 
 
 def test_group_size_is_bounded():
-    hq = 2 * (spec.MAX_GROUP + 1)
+    hq = 2 * (choices.MAX_GROUP + 1)
     q = info((B, hq, D))
     k = info((B, L, 2, D))
-    with raises_naming(ValueError, "k", f"{spec.MAX_GROUP + 1} is more than the supported {spec.MAX_GROUP}"):
+    with raises_naming(ValueError, "k", f"{choices.MAX_GROUP + 1} is more than the supported {choices.MAX_GROUP}"):
         check_decode_inputs(q, k, k)
 
 

@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
+from splitkv.arch import ARCHS, arch_number, parse_arch
+from splitkv.choices import HEAD_DIMS
 from splitkv.heuristics import default_spec
-from splitkv.spec import ARCHS, HEAD_DIMS, KernelSpec, MergeSpec, arch_number, parse_arch
+from splitkv.spec import KernelSpec, MergeSpec
 
 
 @pytest.mark.parametrize("arch, expected", [("sm90", "sm_90"), ("sm_90", "sm_90"), (90, "sm_90"),
@@ -118,7 +120,7 @@ def test_tensor_copies_need_sm90_and_whole_boxes():
 
 
 def test_nvfp4_rows_arrive_through_one_box_each_beside_per_lane_block_scales():
-    from splitkv.spec import tma_box_bytes
+    from splitkv.choices import tma_box_bytes
 
     # Rows of 32, 64 and 128 bytes (head_dim 64, 128, 256): one box each, swizzled over its span.
     assert [tma_box_bytes(d, "nvfp4") for d in (64, 128, 256, 96)] == [32, 64, 128, None]

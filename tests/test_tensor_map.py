@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
+from splitkv.choices import TMA_BOX_BYTES
 from splitkv.codegen.render import flat_source
-from splitkv.spec import TMA_BOX_BYTES, KernelSpec
+from splitkv.spec import KernelSpec
 from splitkv.tensor_map import MAP_ALIGN, MAP_BYTES, TensorMapCache, _aligned_buffer, box_geometry
 
 

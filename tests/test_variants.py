@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from splitkv import runtime
+from splitkv.choices import WARP_ROWS
 from splitkv.codegen.compile import compile_cubin
 from splitkv.heuristics import default_spec
 from splitkv.params import DECODE
-from splitkv.spec import WARP_ROWS, KernelSpec, MergeSpec
+from splitkv.spec import KernelSpec, MergeSpec
 from splitkv.variants import PLAIN, check_variant
 from tests.fake_gpu import _DeviceArray, _qkv, fake_gpu  # noqa: F401 - fake_gpu: a fixture, used by name
 

@@ -9,7 +9,8 @@ import argparse
 import dataclasses
 import sys
 
-from .. import spec as spec_module
+from ..arch import arch_number
+from ..choices import KV_DTYPES, Q_DTYPES, QUANTIZED_KV_DTYPES
 from ..gpu import unavailable_reason
 from ..tuned.keys import BUCKETS, TuneKey, parse_bucket
 from ..tuned.lookup import COST_MODEL_GPU
@@ -31,11 +32,11 @@ def keys_for(arch: str, head_dims, group_sizes, kv_dtypes, page_sizes, kv_layout
     each for every count of ``query_tokens`` per sequence."""
     head_dims = head_dims or DEFAULT_HEAD_DIMS
     group_sizes = group_sizes or DEFAULT_GROUPS
-    kv_dtypes = kv_dtypes or tuple(d for d in spec_module.KV_DTYPES if d not in spec_module.QUANTIZED_KV_DTYPES
-                                   or spec_module.arch_number(arch) >= 89)
+    kv_dtypes = kv_dtypes or tuple(d for d in KV_DTYPES if d not in QUANTIZED_KV_DTYPES
+                                   or arch_number(arch) >= 89)
     keys = []
     for kv_dtype in kv_dtypes:
-        q_dtype = kv_dtype if kv_dtype in spec_module.Q_DTYPES else "bf16"
+        q_dtype = kv_dtype if kv_dtype in Q_DTYPES else "bf16"
         for head_dim in head_dims:
             if kv_dtype == "nvfp4" and head_dim % 64:
                 continue
@@ -103,7 +104,7 @@ def run_description(args, parser, arch: str, head_dims, group_sizes, kv_dtypes, 
         buckets = [parse_bucket(name) for name in names] if names else list(BUCKETS)
     except ValueError as e:
         parser.error(f"--{e}")
-    if arch != f"sm_{spec_module.arch_number(arch)}":
+    if arch != f"sm_{arch_number(arch)}":
         parser.error(f"--arch: tune {arch.rstrip('a')}, not {arch}: the runtime looks tables up by the GPU's "
                      f"compute capability, and arch-specific programs are not tuned separately")
     try:
@@ -287,7 +288,7 @@ def _check_gpu(arch: str, cost_model: bool):
         print(f"splitkv-gen: --tune measures on a GPU of {arch}, and none is usable here "
               f"({type(e).__name__}: {e})", file=sys.stderr)
         return 2
-    if spec_module.arch_number(info["arch"]) != spec_module.arch_number(arch):
+    if arch_number(info["arch"]) != arch_number(arch):
         print(f"splitkv-gen: --arch {arch} asks for tuning on {arch}, but this GPU ({info['name']}) is "
               f"{info['arch']}; tune each arch on its own GPUs", file=sys.stderr)
         return 2

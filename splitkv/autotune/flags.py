@@ -13,7 +13,7 @@ import math
 import os
 from pathlib import Path
 
-from ..spec import kv_token_bytes
+from ..choices import kv_token_bytes
 from ..tuned.keys import MAX_BATCH as MAX_BUCKET_BATCH  # a launch grid's z extent
 from ..tuned.keys import MAX_SEQ_LEN as MAX_BUCKET_LEN  # lengths are int32 on the device
 from ..tuned.keys import REFERENCE_KV_HEADS

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import numpy as np
 
-from ..spec import QUANTIZED_KV_DTYPES, KernelSpec, MergeSpec
+from ..choices import QUANTIZED_KV_DTYPES
+from ..spec import KernelSpec, MergeSpec
 from ..tuned import lookup
 from ..tuned.keys import REFERENCE_KV_HEADS, Bucket, TuneKey
 from .compiling import first_lines as _first_lines

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import functools
 
-from ..spec import MMA_M, STAGES, TILE_TOKENS, KernelSpec, arch_number, rows_fit_tma_boxes
+from ..arch import arch_number
+from ..choices import MMA_M, STAGES, TILE_TOKENS, rows_fit_tma_boxes
+from ..spec import KernelSpec
 from ..tuned.keys import TuneKey
 
 #: Tuned fields and their candidate values. ``chunk_tiles`` is the split length in whole CTA

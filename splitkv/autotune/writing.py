@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from ..spec import parse_arch
+from ..arch import parse_arch
 from ..tuned.tables import (HEADER_FIELDS, MAX_TABLE_BYTES, SCHEMA, Entry, Table, TableError, UnitCosts,
                              entries_digest, load, parse_text)
 

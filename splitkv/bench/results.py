@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 from .. import cluster_layout
-from ..spec import arch_number
+from ..arch import arch_number
 
 SCHEMA = 2
 

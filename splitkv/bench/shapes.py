@@ -1,7 +1,7 @@
 """Decode problems: the ``B:Hq:Hkv:D:L[:FORMAT]`` tokens, their byte accounting, the default set,
 and how many layers the serving protocol stacks for one.
 
-Pure: the standard library and `splitkv.spec` only, tested on CPU.
+Pure: the standard library and `splitkv.choices` only, tested on CPU.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..spec import kv_token_bytes
+from ..choices import kv_token_bytes
 
 #: Bytes per element of the query/output type the benchmark allocates.
 DTYPE_BYTES = {"bf16": 2}

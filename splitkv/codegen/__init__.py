@@ -6,9 +6,10 @@ current device.
 
 from __future__ import annotations
 
+from ..arch import arch_number, parse_arch
+from ..choices import HEAD_DIMS, KV_DTYPES, Q_DTYPES, QUANTIZE_FORMATS, QUANTIZED_KV_DTYPES
 from ..heuristics import default_spec
-from ..spec import (HEAD_DIMS, KV_DTYPES, Q_DTYPES, QUANTIZE_FORMATS, QUANTIZED_KV_DTYPES, KernelSpec, MergeSpec,
-                    QuantizeSpec, arch_number, parse_arch)
+from ..spec import KernelSpec, MergeSpec, QuantizeSpec
 from .compile import CompileError, CompileResult, compile_cubin
 from .render import helper_headers, render
 

@@ -15,9 +15,11 @@ import re
 
 import jinja2
 
+from ..arch import hardware_e2m1
+from ..choices import TMA_BOX_BYTES
 from ..params import DECODE, MERGE, QUANTIZE
 from ..work_units import BUFFER_HEADER, MERGE_FIELDS, UNIT_FIELDS
-from ..spec import TMA_BOX_BYTES, KernelSpec, MergeSpec, QuantizeSpec, hardware_e2m1
+from ..spec import KernelSpec, MergeSpec, QuantizeSpec
 
 #: C++ element type for each dtype name of the spec vocabulary.
 CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}

@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..spec import HEAD_DIMS, KV_DTYPES, KV_LAYOUTS, MAX_GROUP, MAX_QUERY_TOKENS, PAGE_SIZES, Q_DTYPES
+from ..choices import HEAD_DIMS, KV_DTYPES, KV_LAYOUTS, MAX_GROUP, MAX_QUERY_TOKENS, PAGE_SIZES, Q_DTYPES
 
 #: K/V heads of every bucket's representative shape (Hq = group x this).
 REFERENCE_KV_HEADS = 8

@@ -25,8 +25,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..arch import parse_arch
 from ..heuristics import default_spec
-from ..spec import KernelSpec, parse_arch
+from ..spec import KernelSpec
 from . import tables
 from .keys import TuneKey, gpu_file_stem, nearest_bucket
 

@@ -76,7 +76,8 @@ from pathlib import Path
 
 import yaml
 
-from ..spec import KernelSpec, parse_arch
+from ..arch import parse_arch
+from ..spec import KernelSpec
 from ..work_units import COST_FIELDS, CostModel
 from .keys import Bucket, TuneKey, gpu_file_stem
 

@@ -45,8 +45,8 @@ cupy = pytest.importorskip("cupy")
 import needles  # noqa: E402
 import splitkv  # noqa: E402
 from splitkv import DecodeAttention, QuantizedKV  # noqa: E402
+from splitkv.choices import QUANTIZED_KV_DTYPES  # noqa: E402
 from splitkv.heuristics import default_spec  # noqa: E402
-from splitkv.spec import QUANTIZED_KV_DTYPES  # noqa: E402
 
 from decode_checks import poisoned, to_float64  # noqa: E402
 

@@ -41,7 +41,12 @@ class Layers:
         for i in range(self.count):
             self.q.append(torch_mod.randn(q_shape, **opts))
             if shape.sinks:
-                self.sinks.append(torch_mod.randn((hq,), device="cuda", dtype=torch_mod.float32, generator=gen) * 2)
+                # Around the log of the attended tokens, so that each sink holds a share of its
+                # row's denominator like the tokens' together (~L e^0.5 at these scores' spread),
+                # and a sink that is dropped fails the output check at any L.
+                attended = min(n, shape.window_left + 1) if shape.window_left >= 0 else n
+                self.sinks.append(torch_mod.randn((hq,), device="cuda", dtype=torch_mod.float32, generator=gen) * 2
+                                  + math.log(attended))
             k, v = torch_mod.randn((b, n, hkv, d), **opts), torch_mod.randn((b, n, hkv, d), **opts)
             if i == 0:
                 self.k_bf16_0, self.v_bf16_0 = k, v

@@ -176,6 +176,13 @@ def flashinfer_case(layers: Layers) -> Case:
                               f"FlashInfer has no {layers.shape.kv_dtype} K/V decode for this GPU")
     s = layers.shape
     _no_batch_invariance(layers)
+    if s.sinks:
+        # run(sinks=...) is accepted and dropped on Hopper: the fa2/fa3 prefill kernels that the
+        # tensor-core decode runs on take no sinks (only trtllm-gen, sm_100+, and the JIT
+        # AttentionSink variant do), and the output check cannot tell at long L, where the sink's
+        # weight is below its bound.
+        raise Unavailable("FlashInfer 0.6.18's decode wrapper ignores sinks on this GPU (fa2/fa3 backends); "
+                          "its JIT AttentionSink variant is not timed here")
     if s.query_tokens > 1:
         raise Unavailable("FlashInfer's decode wrapper serves one query token per sequence (several go through "
                           "its prefill wrappers, not timed here)")
@@ -215,9 +222,6 @@ def flashinfer_case(layers: Layers) -> Case:
         variant["logits_soft_cap"] = s.soft_cap
     wrapper.plan(indptr, indices, last_page_len, s.num_qo_heads, s.num_kv_heads, s.head_dim, PAGE_SIZE,
                  q_data_type=torch.bfloat16, kv_data_type=caches[0][0].dtype, **variant)
-    if s.sinks:
-        for kw, sinks in zip(scales, layers.sinks):
-            kw["sinks"] = sinks
     outs = [torch.empty_like(q) for q in layers.q]
 
     def launcher(i):

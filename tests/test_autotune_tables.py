@@ -288,9 +288,9 @@ def test_the_shipped_h200_table():
     want = {(TuneKey(d, g, q, kv), b) for d in (64, 128, 256) for g in (1, 4, 8)
             for kv, q in (("bf16", "bf16"), ("fp16", "fp16"), ("fp8_e4m3", "bf16"), ("nvfp4", "bf16"))
             for b in BUCKETS_BY_NAME}
-    # and head_dim 128 x group 4/8 x BF16/FP8 caches for 2, 4 and 8 query tokens per sequence.
+    # and head_dim 128 x group 4/8 x BF16/FP8 caches for 2, 4, 8 and 16 query tokens per sequence.
     want |= {(TuneKey(128, g, "bf16", kv, query_tokens=t), b) for g in (4, 8) for kv in ("bf16", "fp8_e4m3")
-             for t in (2, 4, 8) for b in BUCKETS_BY_NAME}
+             for t in (2, 4, 8, 16) for b in BUCKETS_BY_NAME}
     assert {(e.key, e.bucket.name) for e in table.entries} == want
     for e in table.entries:
         assert e.bucket == BUCKETS_BY_NAME[e.bucket.name] and e.trials > 0 and 0 < e.bandwidth_pct < 120

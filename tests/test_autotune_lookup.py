@@ -170,6 +170,17 @@ def test_runtime_launches_the_tuned_split_program(fake_gpu):
     assert _shape(launched) == _shape(TUNED_SPLIT) and launched.cluster == 1
 
 
+def test_a_windowed_plan_takes_the_entry_of_the_windows_length(fake_gpu):
+    """A window streams its own tokens only: 1 x 32k with a 1k window is looked up as 1 x 1k (the
+    b1-l2k entry, the built-in programs), the same sequence without one as 1 x 32k."""
+    _runtime_table(fake_gpu)
+    attn = splitkv.DecodeAttention(32, 8, 128)
+    attn.plan([32768], window_left=1023)
+    assert attn.tuned_entry.bucket.name == "b1-l2k" and attn.tuned_entry.spec is None
+    attn.plan([32768])
+    assert attn.tuned_entry.bucket.name == "b1-l32k" and attn.tuned_entry.spec == TUNED_SPLIT
+
+
 @pytest.mark.parametrize("planner", tables.PLANNERS)
 def test_runtime_plans_a_tuned_program_by_the_rules_it_was_measured_under(fake_gpu, planner):
     """Short rows (3 x 8 rows of 4096 tokens) on the table's split program: an entry measured under

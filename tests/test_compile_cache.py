@@ -194,3 +194,19 @@ def test_the_lock_of_a_killed_process_is_released(fresh, monkeypatch):
         result = compile_module.compile_cubin(SPEC)
     assert not result.cached and result.cubin[:4] == b"\x7fELF"
 
+
+
+@pytest.mark.parametrize("version, asked", [((12, 8), False), ((12, 9), True), ((13, 0), True)])
+def test_nvrtc_is_told_not_to_serve_compiles_from_the_drivers_cache(monkeypatch, version, asked):
+    """NVRTC 12.9+ would serve a repeated compile from the driver's compute cache with no ptxas
+    report, so no registers: the resident CTAs would then be counted from shared memory alone."""
+    monkeypatch.setattr(compile_module, "nvrtc_version", lambda: version)
+    assert ("--no-cache" in compile_module.nvrtc_options(SPEC.arch)) is asked
+
+
+def test_a_compile_reports_registers_every_time(fresh):
+    """The same program compiled again, past every cache of splitkv's, still reports its registers."""
+    first = compile_module.compile_cubin(SPEC, use_disk_cache=False)
+    compile_module._memory_cache.clear()
+    again = compile_module.compile_cubin(SPEC, use_disk_cache=False)
+    assert first.registers and again.registers == first.registers and not again.cached

@@ -187,7 +187,11 @@ def ensure_cache_dir() -> Path:
 
 
 def nvrtc_options(arch: str) -> list[str]:
-    return [f"--gpu-architecture={arch}", "--std=c++17", "-Xptxas=-v",
+    # NVRTC from 12.9 on serves a program it compiled before from the driver's compute cache, and
+    # then prints no ptxas report: the registers (which bound the resident CTAs the planner counts
+    # on) and spills would be lost. --no-cache keeps every compile whole; splitkv caches cubins itself.
+    no_cache = ["--no-cache"] if nvrtc_version() >= (12, 9) else []
+    return [f"--gpu-architecture={arch}", "--std=c++17", "-Xptxas=-v", *no_cache,
             *(f"--include-path={d}" for d in cuda_include_dirs())]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from .compile import CompileResult, compile_cubin
@@ -12,6 +13,7 @@ _DEFAULT_SMEM_LIMIT = 48 * 1024
 #: Clusters larger than this need the kernel's opt-in (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED).
 _PORTABLE_CLUSTER = 8
 _NON_PORTABLE_CLUSTER_ATTRIBUTE = 14
+_NUM_REGS_ATTRIBUTE = 4  # CU_FUNC_ATTRIBUTE_NUM_REGS
 
 _loaded: dict[tuple, tuple] = {}
 _lock = threading.Lock()
@@ -42,6 +44,8 @@ def load_module(spec: AnySpec, *, source: str | None = None,
     result: CompileResult = compile_cubin(spec, source=source, headers=headers)
     module = cupy.RawModule(path=str(result.cubin_path))
     function = module.get_function(kernel_name(spec))
+    if result.registers is None:  # no ptxas report (a cubin cached without one): the driver knows
+        result = dataclasses.replace(result, registers=function_registers(function))
     smem = getattr(spec, "smem_bytes", 0)
     # The 48 KB a CTA gets without opting in counts static and dynamic shared memory together.
     if smem + getattr(spec, "static_smem_bytes", 0) > _DEFAULT_SMEM_LIMIT:
@@ -59,3 +63,10 @@ def allow_cluster_size(function, cluster: int) -> None:
         from cupy_backends.cuda.api import driver
 
         driver.funcSetAttribute(function.kernel.ptr, _NON_PORTABLE_CLUSTER_ATTRIBUTE, 1)
+
+
+def function_registers(function) -> int:
+    """Registers per thread of ``function`` (a CuPy kernel), as the driver loaded it."""
+    from cupy_backends.cuda.api import driver
+
+    return int(driver.funcGetAttribute(_NUM_REGS_ATTRIBUTE, function.kernel.ptr))

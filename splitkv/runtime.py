@@ -290,8 +290,8 @@ class DecodeAttention:
         elif self._tuned_allowed and (self._tuned is not None or attention.query_tokens != self._programs_tokens):
             # Looked up by the tokens the programs stream: with a window, the window's, however long
             # the sequence (a 4k window over 64k tokens is a 4k workload).
-            streamed = int(attention.planned_lengths(np.array([max_planned]), 1)[0])
-            tuned_forces_dense = self._use_tuned(attention.query_tokens, batch * self.num_kv_heads, streamed)
+            attended = int(attention.planned_lengths(np.array([max_planned]), 1)[0])
+            tuned_forces_dense = self._use_tuned(attention.query_tokens, batch * self.num_kv_heads, attended)
         may_grow = host_lens is not lens
         if variant != "units" and max_units is not None:
             raise ValueError("max_units: sizes the tables of variant='units' plans only")

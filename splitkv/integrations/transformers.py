@@ -229,7 +229,7 @@ class CompiledDecode:
 def _planned_step(query, key, value, scaling, dropout, plan, kwargs):
     """A `CompiledDecode` step: ``torch.ops.splitkv.run`` under the plan the keywords carry."""
     handle, planned_scale = kwargs.pop(HANDLE_KEYWORD), kwargs.pop(SCALE_KEYWORD)
-    reason = _unsupported(query, key, value, dropout, kwargs.get("softcap"), None, kwargs)
+    reason = _unsupported(query, key, value, dropout, None, None, kwargs)
     if reason is None and (kwargs.get("softcap") is not None or kwargs.get("s_aux", kwargs.get("sinks")) is not None):
         reason = "a logit soft-cap or attention sinks"
     if reason is None and scaling is not None and scaling != planned_scale:

@@ -90,16 +90,26 @@ MAX_QUERY_TOKENS = 16
 WARP_ROWS = 16
 
 
-def row_slices(rows: int, warps: int) -> int:
-    """Warps of a CTA of ``warps`` that share each tile for ``rows`` rows (`KernelSpec.row_slices`)."""
+#: Warps of a warpgroup: mma_m='warpgroup' MMAs take 64 rows, 16 per warp of 4 consecutive warps.
+WARPGROUP_WARPS = 4
+
+
+def row_slices(rows: int, warps: int, warpgroup: bool = False) -> int:
+    """Warps of a CTA of ``warps`` that share each tile for ``rows`` rows (`KernelSpec.row_slices`):
+    with ``warpgroup``, whole warpgroups (rows past the K/V head's are padding)."""
     needed = -(-rows // WARP_ROWS)
-    return min(warps, 1 << (needed - 1).bit_length())
+    slices = 1 << (needed - 1).bit_length()
+    if warpgroup:
+        slices = max(slices, WARPGROUP_WARPS)
+    return min(warps, slices)
 
 
 #: What fills the 16 rows (M) of the m16n8k16 MMAs. heads: the query heads of the group (rows past
 #: the group are idle, so G = 4 uses a quarter of each MMA). tokens: 16 tokens per MMA, the query
 #: heads as its 8 columns (G <= 8), so S and P V take half as many MMAs for G <= 8.
-MMA_M = ("heads", "tokens")
+#: warpgroup (sm_90a): the heads, 64 rows per warpgroup MMA (wgmma) of four warps, K and V read from
+#: shared memory by the MMA itself, once per warpgroup, where each warp of 'heads' reads them itself.
+MMA_M = ("heads", "tokens", "warpgroup")
 
 
 #: Input element types of the K/V quantizer, and the formats it writes (see `splitkv.kv_formats`).

@@ -131,7 +131,7 @@ def choose_plan(lengths, max_len: int, num_kv_heads: int, programs: Programs, gp
     if warp_heads:
         plan = pack_heads(plan, num_kv_heads, warps=dense.warps)
     if plan.heads_per_cta > 1:
-        spec = programs.packed_dense() if programs.packed_dense else dense.replace(warp_heads=True)
+        spec = programs.packed_dense() if programs.packed_dense else dense.as_warp_heads()
     else:
         spec = dense
     if plan.variant == "split":

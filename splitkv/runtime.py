@@ -361,7 +361,7 @@ class DecodeAttention:
 
     def _packed_dense_spec(self) -> KernelSpec:
         """The dense program with a warp per K/V head."""
-        return self._programs.kept("packed dense", self.dense_spec, lambda spec: spec.replace(warp_heads=True))
+        return self._programs.kept("packed dense", self.dense_spec, KernelSpec.as_warp_heads)
 
     def _units_spec(self) -> KernelSpec:
         """The units program of the split program's CTA shape (`KernelSpec.as_units`); the split

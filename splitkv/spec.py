@@ -17,7 +17,7 @@ from .arch import ARCHS, arch_number, parse_arch
 from .choices import (CLUSTERS, HEAD_DIMS, KV_COPIES, KV_DTYPE_BITS, KV_DTYPES, KV_LAYOUTS, MAX_GROUP,
                       MAX_QUERY_TOKENS, MMA_M, NVFP4_BLOCK, PAGE_SIZES, Q_DTYPES, QUANTIZE_FORMATS,
                       QUANTIZE_IN_DTYPES, QUANTIZED_KV_DTYPES, STAGES, TILE_TOKENS, TMA_BOX_BYTES, TMA_SWIZZLE_ROWS,
-                      VARIANTS, WARP_ROWS, WARPS, kv_token_bytes, row_slices, rows_fit_tma_boxes, tma_box_bytes)
+                      VARIANTS, WARP_ROWS, WARPGROUP_WARPS, WARPS, kv_token_bytes, row_slices, rows_fit_tma_boxes, tma_box_bytes)
 
 
 class SharedMemoryError(ValueError):
@@ -122,6 +122,8 @@ class KernelSpec:
         if self.mma_m == "tokens" and self.rows > 8:
             raise ValueError(f"mma_m: 'tokens' puts the query heads x query tokens on the MMA's 8 columns; "
                              f"group_size {self.group_size} x query_tokens {self.query_tokens} needs 'heads'")
+        if self.mma_m == "warpgroup":
+            self._check_warpgroup()
         for switch in ("fused_merge", "warp_heads", "window", "soft_cap", "sinks"):
             _check_bool(switch, getattr(self, switch))
         if self.warp_heads and self.variant != "dense":
@@ -139,6 +141,26 @@ class KernelSpec:
                 f"CTA shape needs {self.smem_bytes} bytes of shared memory (warps={self.warps} x "
                 f"stages={self.stages} x tile_tokens={self.tile_tokens} x rows of head_dim={self.head_dim} "
                 f"{self.kv_dtype}); {self.arch} allows {limit}")
+
+    def _check_warpgroup(self) -> None:
+        """mma_m='warpgroup': wgmma (sm_90a alone) reads K and V where the tensor maps lay them, in
+        boxes of 128 bytes swizzled, as 16-bit values it takes as they are; its O accumulators of
+        head_dim 256 (128 registers a thread) would not leave room for the rest."""
+        why = None
+        if arch_number(self.arch) != 90:
+            why = f"warpgroup MMAs (wgmma) exist on sm_90a alone, got arch {self.arch}"
+        elif self.kv_copy != "tma":
+            why = "the MMAs read K/V tiles as the tensor maps lay them out; use kv_copy='tma'"
+        elif self.kv_dtype in QUANTIZED_KV_DTYPES:
+            why = f"the MMAs read 16-bit K/V from shared memory as stored; {self.kv_dtype} needs 'heads'"
+        elif self.head_dim not in (64, 128):
+            why = f"head_dim 64 or 128 (rows of whole 128-byte boxes, O in registers); got {self.head_dim}"
+        elif self.warps % WARPGROUP_WARPS:
+            why = f"warps: a whole number of warpgroups of {WARPGROUP_WARPS}; got {self.warps}"
+        elif self.warp_heads:
+            why = "warp_heads serves a K/V head per warp; a warpgroup shares its rows"
+        if why:
+            raise ValueError(f"mma_m: 'warpgroup': {why}")
 
     def _check_paging(self) -> None:
         if self.page_size not in (0, *PAGE_SIZES):
@@ -178,7 +200,7 @@ class KernelSpec:
     def row_slices(self) -> int:
         """Warps that read each tile together, each carrying its own `WARP_ROWS` of the CTA's rows:
         the fewest (a power of two, at most ``warps``) whose rows hold the K/V head's."""
-        return row_slices(self.rows, self.warps)
+        return row_slices(self.rows, self.warps, self.mma_m == "warpgroup")
 
     @property
     def token_streams(self) -> int:
@@ -233,6 +255,13 @@ class KernelSpec:
         if mma_m == "tokens" and self.group_size * query_tokens > 8:
             mma_m = "heads"
         return self.replace(query_tokens=query_tokens, window=window, soft_cap=soft_cap, sinks=sinks, mma_m=mma_m)
+
+    @property
+    def compile_arch(self) -> str:
+        """The target NVRTC compiles for: the arch, made arch-specific ('sm_90a') for warpgroup MMAs."""
+        if self.mma_m == "warpgroup" and not self.arch.endswith("a"):
+            return self.arch + "a"
+        return self.arch
 
     @property
     def kv_bits(self) -> int:
@@ -331,7 +360,7 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """Stable and readable: 'sm_90-d128-g4-bf16-bf16-split-c256-w4t32s2-k8-fm' ('-tma' appended when
-        K/V arrive through tensor maps, '-mt' when tokens fill the MMA rows, '-wh' when each warp serves
+        K/V arrive through tensor maps, '-mt' when tokens fill the MMA rows, '-wg' for warpgroup MMAs, '-wh' when each warp serves
         its own K/V head, '-p16' for pages of 16 tokens, '-p16hnd' in the HND layout, '-hnd' for contiguous
         HND caches [B, Hkv, L, D]; the variants:
         '-q4' for 4 query tokens, '-win' a sliding window, '-cap' a soft-cap, '-sink' attention sinks)."""
@@ -341,7 +370,7 @@ class KernelSpec:
         return (f"{self.arch}-d{self.head_dim}-g{self.group_size}-{self.q_dtype}-{self.kv_dtype}-"
                 f"{self.variant}-c{self.chunk_size}-w{self.warps}t{self.tile_tokens}s{self.stages}{merge}"
                 + ("" if self.kv_copy == "cp_async" else f"-{self.kv_copy}")
-                + ("-mt" if self.mma_m == "tokens" else "")
+                + ("-mt" if self.mma_m == "tokens" else "") + ("-wg" if self.mma_m == "warpgroup" else "")
                 + ("-wh" if self.warp_heads else "")
                 + (f"-p{self.page_size}" if self.paged else "") + ("hnd" if self.kv_layout == "HND" and self.paged else "")
                 + ("-hnd" if self.kv_layout == "HND" and not self.paged else "")
@@ -354,6 +383,11 @@ class KernelSpec:
     def as_dense(self) -> "KernelSpec":
         """The dense program of the same CTA shape: the split-only choice (clusters) dropped."""
         return self.replace(variant="dense", cluster=1)
+
+    def as_warp_heads(self) -> "KernelSpec":
+        """The dense program with a warp per K/V head: each warp's own MMAs, of 16 rows ('heads'),
+        where this one's warps share warpgroup MMAs."""
+        return self.replace(warp_heads=True, mma_m="heads" if self.mma_m == "warpgroup" else self.mma_m)
 
     def as_units(self) -> "KernelSpec":
         """The units program of the same CTA shape (see VARIANTS)."""
@@ -402,6 +436,11 @@ class MergeSpec:
         _check_bool("tables", self.tables)
 
     @property
+    def compile_arch(self) -> str:
+        """The target NVRTC compiles for: the arch."""
+        return self.arch
+
+    @property
     def name(self) -> str:
         """'sm_90-merge-d128-bf16', with '-t256' when the CTA is not the default 128 threads and
         '-units' when it walks a merge table."""
@@ -430,6 +469,11 @@ class QuantizeSpec:
         _check_choice("kv_format", self.kv_format, QUANTIZE_FORMATS)
         if self.threads % 32 or not 32 <= self.threads <= 1024:
             raise ValueError(f"threads: expected a multiple of 32 in 32..1024, got {self.threads!r}")
+
+    @property
+    def compile_arch(self) -> str:
+        """The target NVRTC compiles for: the arch."""
+        return self.arch
 
     @property
     def name(self) -> str:

@@ -69,7 +69,7 @@ def split_and_dense(split: KernelSpec, dense: KernelSpec) -> list[KernelSpec]:
     specs.append(split.as_units())
     specs.append(dense)
     try:
-        specs.append(dense.replace(warp_heads=True))
+        specs.append(dense.as_warp_heads())
     except ValueError:  # a layout this program has not (one warp): plans never pack its heads
         pass
     return specs

@@ -56,13 +56,25 @@ def choices(name: str, key: TuneKey, arch: str) -> tuple:
     if name == "kv_copy":
         tma = arch_number(arch) >= 90 and rows_fit_tma_boxes(key.head_dim, key.kv_dtype)
         values = tuple(v for v in values if v != "tma" or tma)
-    elif name == "mma_m" and key.group_size > 8:
-        values = ("heads",)
+    elif name == "mma_m":
+        values = tuple(v for v in values if (v != "tokens" or key.group_size <= 8)
+                       and (v != "warpgroup" or _warpgroup_fits(key, arch)))
     elif name == "cluster" and arch_number(arch) < 90:
         values = (1,)
     elif name == "warps":  # the heuristic's own (fewer warps where shared memory is small) stays a point
         values = tuple(sorted(set(values) | _builtin_warps(key, arch)))
     return values
+
+
+#: Rows (query heads x query tokens) from which warpgroup MMAs are searched: below, most of each
+#: warpgroup's 64 rows would be padding (16 rows took 1.6x the time of 16-row warp MMAs on an H200).
+WARPGROUP_MIN_ROWS = 32
+
+
+def _warpgroup_fits(key: TuneKey, arch: str) -> bool:
+    """Whether mma_m='warpgroup' can serve the key (see KernelSpec._check_warpgroup) and may pay."""
+    return (arch_number(arch) == 90 and key.kv_dtype in ("bf16", "fp16") and key.head_dim in (64, 128)
+            and rows_fit_tma_boxes(key.head_dim, key.kv_dtype) and key.group_size * key.query_tokens >= WARPGROUP_MIN_ROWS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -201,7 +201,7 @@ _lock = threading.Lock()
 
 def compile_cubin(spec: AnySpec, *, use_disk_cache: bool = True,
                   source: str | None = None, headers: dict[str, str] | None = None) -> CompileResult:
-    """Render ``spec`` and compile it to a cubin for ``spec.arch``; no GPU is involved.
+    """Render ``spec`` and compile it to a cubin for ``spec.compile_arch``; no GPU is involved.
 
     A program compiled earlier in this process is returned from memory. Otherwise the disk cache is
     read, unless ``use_disk_cache`` is False: then the program is compiled again, and the new cubin
@@ -218,7 +218,7 @@ def compile_cubin(spec: AnySpec, *, use_disk_cache: bool = True,
     patched = source is not None or headers is not None
     source = source if source is not None else render(spec)
     headers = helper_headers() if headers is None else dict(sorted(headers.items()))
-    options = nvrtc_options(spec.arch)
+    options = nvrtc_options(spec.compile_arch)
     key = _cache_key(source, headers, options)
     # The key already keeps the two apart; the name says which one a log or a listing shows.
     stem = f"{spec.name}-patched" if patched else spec.name

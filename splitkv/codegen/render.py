@@ -105,6 +105,7 @@ def template_parameters(spec: AnySpec) -> dict:
                       params_size=QUANTIZE.size)
     else:
         params.update(q_type=CUDA_TYPES[spec.q_dtype], mma_type=CUDA_TYPES[spec.mma_dtype],
+                      mma_ptx="bf16" if spec.mma_dtype == "bf16" else "f16",
                       kv_bits=spec.kv_bits, hardware_e2m1=hardware_e2m1(spec.arch), smem_pad=spec.smem_pad,
                       tma_box_bytes=spec.tma_box_bytes if spec.kv_copy == "tma" else TMA_BOX_BYTES,
                       tma_box_rows=spec.tma_box_rows, tile_bytes=spec.tile_bytes, kv_elem_bytes=spec.kv_elem_bytes,

@@ -221,4 +221,33 @@ __device__ __forceinline__ void mma_rows8(float (&d)[2], u32 a0, u32 a2, u32 b0,
 #undef SPLITKV_MMA_ROWS8
 }
 
+// ---- warpgroup MMAs (sm_90a: wgmma.mma_async) ------------------------------------------------
+// A shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format") of an operand laid out in
+// 128-byte swizzle atoms (8 rows x 128 bytes, as the tensor maps' SWIZZLE_128B writes them): start
+// address, leading and stride byte offsets in 16-byte units, layout type 1 (128-byte swizzle). The
+// atoms start on 1024-byte boundaries, so the base offset is 0.
+__device__ __forceinline__ unsigned long long wgmma_desc_sw128(const void* p, u32 leading_bytes, u32 stride_bytes) {
+    return (unsigned long long)((smem_addr(p) & 0x3ffffu) >> 4) | ((unsigned long long)(leading_bytes >> 4) << 16)
+           | ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+// A compile-time flag as a value (a generic lambda's argument whose type says it).
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+// Registers an MMA reads or accumulates into were written before: ordered before the warpgroup's MMAs.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+// The accumulators an MMA in flight writes: the compiler may not move their reads or writes across
+// this point (the asynchronous MMA's asm statement names them, but its wait does not).
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&d)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j]) :: "memory");
+}
+
 }  // namespace splitkv

@@ -206,6 +206,53 @@ def test_clusters_and_the_merges():
                     expect=lambda attn: attn._launch.spec.cluster == 4 and attn._launch.spec.row_slices == 2)
 
 
+# ---- warpgroup MMAs (sm_90a wgmma): 64 rows per warpgroup of four warps sharing one ring ---------
+WARPGROUP = dict(mma_m="warpgroup", kv_copy="tma", tile_tokens=64, stages=3)
+
+
+def warpgroup_launched(attn):
+    return attn._launch.spec.mma_m == "warpgroup"
+
+
+@pytest.mark.parametrize("group, query_tokens, warps", [(4, 16, 4), (8, 8, 4), (8, 16, 8), (4, 4, 4), (7, 4, 4),
+                                                         (4, 1, 4), (16, 16, 8)])
+def test_warpgroup_mmas(group, query_tokens, warps):
+    # 4 x 16 = 64 rows: one warpgroup exactly; 8 x 16 = 128 two warpgroups on one ring; 4 x 4 = 16,
+    # 7 x 4 = 28 and one token: padding rows; 16 x 16 = 256 two row blocks of two warpgroups.
+    changes = dict(WARPGROUP, warps=warps)
+    for variant, num_splits in ((None, None), ("dense", None), ("split", 3)):
+        run_variant([2500, 900, 40], query_tokens=query_tokens, window_left=700, cap=30.0, sinks=True, group=group,
+                    variant=variant, num_splits=num_splits, spec_changes=changes, expect=warpgroup_launched)
+    run_variant([3000, 17, 4096, 1500], query_tokens=query_tokens, group=group, spec_changes=changes,
+                expect=warpgroup_launched)
+
+
+@pytest.mark.parametrize("case", ["d64", "t32", "s2", "paged16", "paged64-hnd", "cluster", "units"])
+def test_warpgroup_mmas_layouts(case):
+    changes, extra = dict(WARPGROUP), {}
+    if case == "d64":
+        extra = dict(head_dim=64)
+    elif case == "t32":
+        changes.update(tile_tokens=32, stages=4)
+    elif case == "s2":  # a stage refilled as soon as its P V is done, with one more tile in flight
+        changes.update(stages=2)
+    elif case == "paged16":
+        extra = dict(page_size=16, kv_layout="NHD")
+    elif case == "paged64-hnd":
+        extra = dict(page_size=64, kv_layout="HND")
+    elif case == "cluster":
+        changes.update(cluster=4)
+        extra = dict(variant="split", num_splits=8)
+    elif case == "units":
+        extra = dict(variant="units")
+    run = dict(query_tokens=16, window_left=900, cap=30.0, sinks=True, spec_changes=changes,
+               expect=warpgroup_launched)
+    run.update(extra)
+    lens = [30000, 3000] if case == "cluster" else [20000, 30, 40, 500, 7] if case == "units" else [2100, 50, 999]
+    run_variant(lens, **run)
+    run_variant(lens, **dict(run, query_tokens=8, window_left=-1, cap=0.0, sinks=False))
+
+
 def test_units_and_a_warp_per_kv_head():
     units = lambda attn: attn._launch.spec.variant == "units"  # noqa: E731
     run_variant([20000, 30, 40, 500, 7], query_tokens=2, cap=30.0, sinks=True, variant="units", expect=units)

@@ -68,6 +68,8 @@ static_assert(!SWIZZLED || TILE_BYTES % (8 * BOX_BYTES) == 0, "tiles start on th
 static_assert(TILE % 16 == 0, "a tile is a whole number of 16-token MMA k-steps");
 static_assert((TILE * ROW_CHUNKS) % 32 == 0, "every lane issues the same number of copies");
 static_assert(STAGES >= 2, "one tile computes while the next one loads");
+static_assert(!WARPGROUP || (ROW_SLICES % 4 == 0 && SWIZZLED && BOX_BYTES == 128 && !QUANTIZED && !MMA_TOKENS),
+              "warpgroup MMAs: row slices of whole warpgroups, 16-bit K/V in 128-byte swizzled boxes");
 
 using E = splitkv::Elem<mma_t>;
 using splitkv::u32;

@@ -230,11 +230,6 @@ __device__ __forceinline__ unsigned long long wgmma_desc_sw128(const void* p, u3
     return (unsigned long long)((smem_addr(p) & 0x3ffffu) >> 4) | ((unsigned long long)(leading_bytes >> 4) << 16)
            | ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
 }
-// A compile-time flag as a value (a generic lambda's argument whose type says it).
-template <bool B>
-struct Flag {
-    static constexpr bool value = B;
-};
 // Registers an MMA reads or accumulates into were written before: ordered before the warpgroup's MMAs.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -238,6 +238,7 @@ __device__ __forceinline__ void decode_program(
         // tile t - 1's O += P V, and runs tile t's softmax while that P V is on the tensor cores.
         // Every step waits for the same MMA groups, as the compiler needs to keep them asynchronous
         // (the first is peeled); no register an MMA in flight writes is touched until it is waited for.
+        // (Lambdas of plain arguments: NVRTC 13.0 takes a generic lambda for a host function.)
         float s[S_BLOCKS][4];
         u32 p[TILE / 16][4];  // tile t - 1's probabilities: the A fragments of its P V
         auto k_tile_of = [&](int t) { return loader.ring + (t % STAGES) * 2 * TILE_BYTES; };
@@ -249,29 +250,35 @@ __device__ __forceinline__ void decode_program(
             if (first + TILE > end) zero_v_rows_past(v_tile_of(t), first, end);
             softmax.issue_pv(p, v_tile_of(t));
         };
-        auto step = [&](auto first_tile, int t) {
-            constexpr bool FIRST = decltype(first_tile)::value;
+        auto issue_s = [&](int t) {  // tile t's S = Q K^T
             wait_tile(t, 0);
             softmax.scores(s, k_tile_of(t), qa);
-            if constexpr (FIRST) {
-                splitkv::wgmma_wait<0>();
-            } else {
-                issue_pv(t - 1);
-                splitkv::wgmma_wait<1>();  // tile t's S done; tile t - 1's P V may still run
-            }
+        };
+        auto take_s = [&](int t) {  // tile t's S, waited for, into probabilities (O untouched: rescale)
             splitkv::fence_accumulators(s);
             const int first = loader.static_first(t);
-            softmax.update(s, first, end, first + TILE > end, s_factor, variant);  // O untouched (rescale)
-            if constexpr (!FIRST) {
-                splitkv::wgmma_wait<0>();
-                splitkv::fence_accumulators(softmax.o);
-                stream_sync();  // no warp's MMA reads tile t - 1's stage any more: refilled
-            }
+            softmax.update(s, first, end, first + TILE > end, s_factor, variant);
+        };
+        auto next_stage = [&](int t) {  // the stage freed for tile t + STAGES - 1; tile t's P packed
             load_tile(t + STAGES - 1);
             softmax.pack_p(s, p);
         };
-        if (my_tiles > 0) step(splitkv::Flag<true>(), 0);
-        for (int t = 1; t < my_tiles; ++t) step(splitkv::Flag<false>(), t);
+        if (my_tiles > 0) {
+            issue_s(0);
+            splitkv::wgmma_wait<0>();
+            take_s(0);
+            next_stage(0);
+        }
+        for (int t = 1; t < my_tiles; ++t) {
+            issue_s(t);
+            issue_pv(t - 1);
+            splitkv::wgmma_wait<1>();  // tile t's S done; tile t - 1's P V may still run
+            take_s(t);
+            splitkv::wgmma_wait<0>();
+            splitkv::fence_accumulators(softmax.o);
+            stream_sync();  // no warp's MMA reads tile t - 1's stage any more: refilled
+            next_stage(t);
+        }
         if (my_tiles > 0) {
             issue_pv(my_tiles - 1);
             splitkv::wgmma_wait<0>();

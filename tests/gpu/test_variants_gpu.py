@@ -248,7 +248,7 @@ def test_warpgroup_mmas_layouts(case):
     run = dict(query_tokens=16, window_left=900, cap=30.0, sinks=True, spec_changes=changes,
                expect=warpgroup_launched)
     run.update(extra)
-    lens = [30000, 3000] if case == "cluster" else [20000, 30, 40, 500, 7] if case == "units" else [2100, 50, 999]
+    lens = [30000, 3000] if case == "cluster" else [20000, 30, 40, 500, 17] if case == "units" else [2100, 50, 999]
     run_variant(lens, **run)
     run_variant(lens, **dict(run, query_tokens=8, window_left=-1, cap=0.0, sinks=False))
 

@@ -10,26 +10,6 @@
 
 namespace splitkv::decode {
 namespace {
-// Rows of a V tile (its first token `first`) past the end hold tokens beyond the length, or stale
-// rows: their probabilities are zero, but 0 x NaN is NaN on the tensor cores, so they become zeros
-// (once V has landed), NVFP4's block scales too (a stale scale may be 0x7f). Fenced before the async
-// proxy's next use of the stage: a bulk copy refilling it, or (warpgroup) the MMA reading it.
-__device__ __forceinline__ void zero_v_rows_past(unsigned char* v_tile, int first, int end) {
-    const int lane = lane_id();
-    for (int c = lane; c < TILE * ROW_CHUNKS; c += 32) {
-        const int r = c / ROW_CHUNKS;
-        if (first + r >= end) *reinterpret_cast<uint4*>(kv_at(v_tile, r, (c % ROW_CHUNKS) * 16)) = make_uint4(0u, 0u, 0u, 0u);
-    }
-    if constexpr (NVFP4) {
-        for (int c = lane; c < TILE * SCALE_ROW / 4; c += 32) {
-            const int r = c / (SCALE_ROW / 4);
-            if (first + r >= end) reinterpret_cast<u32*>(v_tile + TILE * ROW)[c] = 0u;
-        }
-    }
-    if constexpr (SWIZZLED) splitkv::fence_proxy_async_smem();
-    __syncwarp();
-}
-
 // The program over the fields of Params (see splitkv/params.py), taken apart so that its pointers
 // are restrict parameters: the compiler may then read the inputs through the read-only path.
 __device__ __forceinline__ void decode_program(
@@ -233,84 +213,48 @@ __device__ __forceinline__ void decode_program(
     }
     WarpSoftmax softmax;
     const Variant variant(len, window_left, soft_cap_log2, block_row0 + slice_row0, [](int h) { return WarpSoftmax::row_of(h); });
-    if constexpr (WARPGROUP) {
-        // Software-pipelined, the MMAs being asynchronous: step t issues tile t's S = Q K^T, then
-        // tile t - 1's O += P V, and runs tile t's softmax while that P V is on the tensor cores.
-        // Every step waits for the same MMA groups, as the compiler needs to keep them asynchronous
-        // (the first is peeled); no register an MMA in flight writes is touched until it is waited for.
-        // (Lambdas of plain arguments: NVRTC 13.0 takes a generic lambda for a host function.)
-        float s[S_BLOCKS][4];
-        u32 p[TILE / 16][4];  // tile t - 1's probabilities: the A fragments of its P V
-        auto k_tile_of = [&](int t) { return loader.ring + (t % STAGES) * 2 * TILE_BYTES; };
-        auto v_tile_of = [&](int t) { return k_tile_of(t) + TILE_BYTES; };
-        auto issue_pv = [&](int t) {  // tile t's O += P V, after O is scaled to tile t + 1's max
-            softmax.rescale();
-            wait_tile(t, 1);
-            const int first = loader.static_first(t);
-            if (first + TILE > end) zero_v_rows_past(v_tile_of(t), first, end);
-            softmax.issue_pv(p, v_tile_of(t));
-        };
-        auto issue_s = [&](int t) {  // tile t's S = Q K^T
-            wait_tile(t, 0);
-            softmax.scores(s, k_tile_of(t), qa);
-        };
-        auto take_s = [&](int t) {  // tile t's S, waited for, into probabilities (O untouched: rescale)
-            splitkv::fence_accumulators(s);
-            const int first = loader.static_first(t);
-            softmax.update(s, first, end, first + TILE > end, s_factor, variant);
-        };
-        auto next_stage = [&](int t) {  // the stage freed for tile t + STAGES - 1; tile t's P packed
-            load_tile(t + STAGES - 1);
-            softmax.pack_p(s, p);
-        };
-        if (my_tiles > 0) {
-            issue_s(0);
-            splitkv::wgmma_wait<0>();
-            take_s(0);
-            next_stage(0);
-        }
-        for (int t = 1; t < my_tiles; ++t) {
-            issue_s(t);
-            issue_pv(t - 1);
-            splitkv::wgmma_wait<1>();  // tile t's S done; tile t - 1's P V may still run
-            take_s(t);
-            splitkv::wgmma_wait<0>();
-            splitkv::fence_accumulators(softmax.o);
-            stream_sync();  // no warp's MMA reads tile t - 1's stage any more: refilled
-            next_stage(t);
-        }
-        if (my_tiles > 0) {
-            issue_pv(my_tiles - 1);
-            splitkv::wgmma_wait<0>();
-            splitkv::fence_accumulators(softmax.o);
-        }
-    } else {
-        for (int t = 0; t < my_tiles; ++t) {
-            load_tile(t + STAGES - 1);  // its stage was consumed in iteration t - 1
-            wait_tile(t, WAIT_V_LATER ? 0 : 1);
-            unsigned char* k_tile = loader.ring + (t % STAGES) * 2 * TILE_BYTES;
-            unsigned char* v_tile = k_tile + TILE_BYTES;
-            const int first = loader.static_first(t);
-            const bool partial_tile = first + TILE > end;
-            auto zero_v_tail = [&]() {
-                if (partial_tile) zero_v_rows_past(v_tile, first, end);
-            };
-            if constexpr (!WAIT_V_LATER) zero_v_tail();
-
-            // S = Q K^T (tokens: S^T = K Q^T), then the online-softmax update of the running state.
-            float s[S_BLOCKS][4];
-            softmax.scores(s, k_tile, qa);
-            softmax.update(s, first, end, partial_tile, s_factor, variant);
-
-            if constexpr (WAIT_V_LATER) {
-                wait_tile(t, 1);
-                zero_v_tail();
+    for (int t = 0; t < my_tiles; ++t) {
+        load_tile(t + STAGES - 1);  // its stage was consumed in iteration t - 1
+        wait_tile(t, WAIT_V_LATER ? 0 : 1);
+        unsigned char* k_tile = loader.ring + (t % STAGES) * 2 * TILE_BYTES;
+        unsigned char* v_tile = k_tile + TILE_BYTES;
+        const int first = loader.static_first(t);
+        const bool partial_tile = first + TILE > end;
+        // Rows past the end hold tokens beyond the length, or stale rows: their probabilities are
+        // zero, but 0 x NaN is NaN on the tensor cores, so their V rows become zeros (once V has landed).
+        auto zero_v_tail = [&]() {
+            if (!partial_tile) return;
+            for (int c = lane; c < TILE * ROW_CHUNKS; c += 32) {
+                const int r = c / ROW_CHUNKS;
+                if (first + r >= end) *reinterpret_cast<uint4*>(kv_at(v_tile, r, (c % ROW_CHUNKS) * 16)) = make_uint4(0u, 0u, 0u, 0u);
             }
+            // NVFP4: their block scales too, since 0 x NaN is NaN (a stale scale may be 0x7f).
+            if constexpr (NVFP4) {
+                for (int c = lane; c < TILE * SCALE_ROW / 4; c += 32) {
+                    const int r = c / (SCALE_ROW / 4);
+                    if (first + r >= end) reinterpret_cast<u32*>(v_tile + TILE * ROW)[c] = 0u;
+                }
+            }
+            // Ordered before the async proxy's next use of the stage: a bulk copy refilling it, or
+            // (warpgroup) the MMA reading it.
+            if constexpr (SWIZZLED) splitkv::fence_proxy_async_smem();
+            __syncwarp();
+        };
+        if constexpr (!WAIT_V_LATER) zero_v_tail();
 
-            // O += P V (tokens: O^T += V^T P^T)
-            softmax.accumulate(s, v_tile);
-            stream_sync();  // every lane of the ring's warps has read this stage before it is refilled
+        // S = Q K^T (tokens: S^T = K Q^T), then the online-softmax update of the running state.
+        float s[S_BLOCKS][4];
+        softmax.scores(s, k_tile, qa);
+        softmax.update(s, first, end, partial_tile, s_factor, variant);
+
+        if constexpr (WAIT_V_LATER) {
+            wait_tile(t, 1);
+            zero_v_tail();
         }
+
+        // O += P V (tokens: O^T += V^T P^T)
+        softmax.accumulate(s, v_tile);
+        stream_sync();  // every lane of the ring's warps has read this stage before it is refilled
     }
     drain(prefetched);  // the rings are reused below: nothing may still be landing in them
 

@@ -51,7 +51,6 @@ __device__ __forceinline__ float online_softmax_update(float& m_run, float& l_ru
 struct WarpSoftmax {
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float o[O_BLOCKS][4];
-    [[maybe_unused]] float alpha[2] = {1.f, 1.f};  // warpgroup: the factors O awaits (see rescale)
 
     __device__ __forceinline__ WarpSoftmax() {
 #pragma unroll
@@ -103,7 +102,9 @@ struct WarpSoftmax {
                 const unsigned char* b = k_tile + (ks * 32 / BOX_BYTES) * (TILE * BOX_BYTES) + ks * 32 % BOX_BYTES;
                 wgmma_scores(s, qa[ks], splitkv::wgmma_desc_sw128(b, 0, 8 * BOX_BYTES), ks > 0);
             }
-            splitkv::wgmma_commit();  // waited for by the caller (kernel.cuh)
+            splitkv::wgmma_commit();
+            splitkv::wgmma_wait<0>();
+            splitkv::fence_accumulators(s);
         } else {
 #pragma unroll
             for (int nb = 0; nb < T_BLOCKS; ++nb) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
@@ -177,14 +178,10 @@ struct WarpSoftmax {
                 const float alpha = online_softmax_update<COUNT, 1, 2>(
                     m_run[h], l_run[h], [&](int i) -> float& { return s[i / 2][2 * h + i % 2]; },
                     [&](int i) { return first + (i / 2) * 8 + qc + i % 2; }, variant, h, masked, end, s_factor);
-                if constexpr (WARPGROUP) {
-                    this->alpha[h] = alpha;  // applied by rescale()
-                } else {
 #pragma unroll
-                    for (int nd = 0; nd < O_BLOCKS; ++nd) {
-                        o[nd][2 * h] *= alpha;
-                        o[nd][2 * h + 1] *= alpha;
-                    }
+                for (int nd = 0; nd < O_BLOCKS; ++nd) {
+                    o[nd][2 * h] *= alpha;
+                    o[nd][2 * h + 1] *= alpha;
                 }
             }
         }
@@ -224,6 +221,27 @@ struct WarpSoftmax {
                     }
                 }
             }
+        } else if constexpr (WARPGROUP) {
+            // O (the warpgroup's 64 rows x HEAD_DIM) += P V in TILE / 16 MMAs of 16 tokens, V N-major
+            // (transposed): k-step kt reads tokens 16 kt.. (two swizzle atoms of 8 tokens, 1024 bytes
+            // apart), each 64 dims of them a box column (TILE x BOX_BYTES apart). P's accumulators
+            // are the A fragments, as for the warp MMAs below.
+            u32 p[TILE / 16][4];
+#pragma unroll
+            for (int kt = 0; kt < TILE / 16; ++kt) {
+                p[kt][0] = E::pack(s[2 * kt][0], s[2 * kt][1]);
+                p[kt][1] = E::pack(s[2 * kt][2], s[2 * kt][3]);
+                p[kt][2] = E::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
+                p[kt][3] = E::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+            }
+            splitkv::fence_accumulators(o);
+            splitkv::wgmma_fence();
+#pragma unroll
+            for (int kt = 0; kt < TILE / 16; ++kt)
+                wgmma_pv(o, p[kt], splitkv::wgmma_desc_sw128(v_tile + kt * 16 * BOX_BYTES, TILE * BOX_BYTES, 8 * BOX_BYTES), 1);
+            splitkv::wgmma_commit();
+            splitkv::wgmma_wait<0>();
+            splitkv::fence_accumulators(o);
         } else {
 #pragma unroll
             for (int kt = 0; kt < TILE / 16; ++kt) {
@@ -264,39 +282,6 @@ struct WarpSoftmax {
                 }
             }
         }
-    }
-
-    // Warpgroup: P (the probabilities `update` left in s) as the A fragments of P V.
-    __device__ __forceinline__ void pack_p(const float (&s)[S_BLOCKS][4], u32 (&p)[TILE / 16][4]) const {
-#pragma unroll
-        for (int kt = 0; kt < TILE / 16; ++kt) {
-            p[kt][0] = E::pack(s[2 * kt][0], s[2 * kt][1]);
-            p[kt][1] = E::pack(s[2 * kt][2], s[2 * kt][3]);
-            p[kt][2] = E::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
-            p[kt][3] = E::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
-        }
-    }
-    // Warpgroup: O (64 rows x HEAD_DIM) += P V issued (waited for by the caller), in TILE / 16 MMAs
-    // of 16 tokens, V N-major (transposed): k-step kt reads tokens 16 kt.. (two swizzle atoms of 8
-    // tokens, 1024 bytes apart), each 64 dims of them a box column (TILE x BOX_BYTES apart).
-    __device__ __forceinline__ void issue_pv(const u32 (&p)[TILE / 16][4], unsigned char* v_tile) {
-        splitkv::fence_accumulators(o);
-        splitkv::wgmma_fence();
-#pragma unroll
-        for (int kt = 0; kt < TILE / 16; ++kt)
-            wgmma_pv(o, p[kt], splitkv::wgmma_desc_sw128(v_tile + kt * 16 * BOX_BYTES, TILE * BOX_BYTES, 8 * BOX_BYTES), 1);
-        splitkv::wgmma_commit();
-    }
-    // Warpgroup: O scaled by the factors of the last `update` (which leaves O alone, since a P V
-    // may be writing it then).
-    __device__ __forceinline__ void rescale() {
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int nd = 0; nd < O_BLOCKS; ++nd) {
-                o[nd][2 * h] *= alpha[h];
-                o[nd][2 * h + 1] *= alpha[h];
-            }
     }
 
     // The lanes that share a row (query head) hold parts of its sum: added up in place, before the

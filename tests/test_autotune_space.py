@@ -92,3 +92,15 @@ def test_build_spec_refuses_an_overflowing_choice():
         space.params_of(default_spec(ARCH, 128, 4).replace(warps=2, chunk_size=64), KEY, ARCH)
     with pytest.raises(ValueError, match="express"):
         space.params_of(default_spec(ARCH, 128, 4, variant="dense").replace(warp_heads=True), KEY, ARCH)
+
+
+def test_warpgroup_mmas_are_searched_where_they_can_serve_32_rows_or_more():
+    wide = TuneKey(128, 4, "bf16", "bf16", query_tokens=8)
+    assert "warpgroup" in space.choices("mma_m", wide, "sm_90")
+    assert "warpgroup" in space.choices("mma_m", TuneKey(64, 16, "fp16", "fp16", query_tokens=2), "sm_90")
+    for key, arch in ((wide, "sm_80"), (wide, "sm_100"), (TuneKey(128, 4, "bf16", "bf16", query_tokens=4), "sm_90"),
+                      (TuneKey(128, 4, "bf16", "fp8_e4m3", query_tokens=8), "sm_90"),
+                      (TuneKey(256, 8, "bf16", "bf16", query_tokens=8), "sm_90"), (KEY, "sm_90")):
+        assert "warpgroup" not in space.choices("mma_m", key, arch), (key, arch)
+    # Groups past 8 keep 'heads' (no 'tokens'), and gain 'warpgroup'.
+    assert space.choices("mma_m", TuneKey(128, 16, "bf16", "bf16", query_tokens=2), "sm_90") == ("heads", "warpgroup")

@@ -191,6 +191,27 @@ def test_tokens_on_the_mma_rows_need_groups_up_to_8():
         KernelSpec(group_size=16, mma_m="tokens")
 
 
+def test_warpgroup_mmas_take_whole_warpgroups_on_sm90_and_compile_for_sm90a():
+    spec = KernelSpec(kv_copy="tma", mma_m="warpgroup", tile_tokens=64, query_tokens=16)
+    assert spec.name.endswith("-tma-wg-q16") and spec.compile_arch == "sm_90a" and spec.arch == "sm_90"
+    assert KernelSpec(kv_copy="tma").compile_arch == "sm_90"
+    # Rows short of a warpgroup's 64 are padding: still four row slices (one warpgroup) ...
+    assert spec.replace(query_tokens=1).row_slices == 4 and spec.replace(query_tokens=1).cta_rows == 4
+    # ... and 128 rows two warpgroups on one ring with 8 warps, two row blocks with 4.
+    wide = spec.replace(group_size=8, warps=8)
+    assert (wide.row_slices, wide.token_streams, wide.row_blocks) == (8, 1, 1)
+    assert (spec.replace(group_size=8).row_slices, spec.replace(group_size=8).row_blocks) == (4, 2)
+    for bad, why in ((dict(kv_copy="cp_async"), "kv_copy='tma'"), (dict(kv_dtype="fp8_e4m3"), "16-bit"),
+                     (dict(head_dim=256), "head_dim 64 or 128"), (dict(warps=2), "warpgroups of 4"),
+                     (dict(arch="sm_100a"), "sm_90a alone"), (dict(arch="sm_80", kv_copy="cp_async"), "sm_90a alone"),
+                     (dict(variant="dense", warp_heads=True, query_tokens=1), "warp_heads")):
+        with pytest.raises(ValueError, match=why):
+            spec.replace(**bad)
+    # A warp per K/V head is a layout of the warps' own MMAs.
+    dense = spec.replace(variant="dense", query_tokens=1, tile_tokens=32)
+    assert dense.as_warp_heads().mma_m == "heads" and dense.as_warp_heads().warp_heads
+
+
 def test_paged_caches_are_named_and_checked():
     assert KernelSpec(page_size=16).name.endswith("-p16")
     assert KernelSpec(page_size=16, kv_layout="HND").name.endswith("-p16hnd")

@@ -234,7 +234,7 @@ def test_warpgroup_mmas_layouts(case):
         extra = dict(head_dim=64)
     elif case == "t32":
         changes.update(tile_tokens=32, stages=4)
-    elif case == "s2":  # a stage refilled as soon as its P V is done, with one more tile in flight
+    elif case == "s2":  # two stages: a tile in flight while one computes
         changes.update(stages=2)
     elif case == "paged16":
         extra = dict(page_size=16, kv_layout="NHD")
@@ -243,14 +243,15 @@ def test_warpgroup_mmas_layouts(case):
     elif case == "cluster":
         changes.update(cluster=4)
         extra = dict(variant="split", num_splits=8)
-    elif case == "units":
-        extra = dict(variant="units")
+    elif case == "units":  # (units plans take no window)
+        extra = dict(variant="units", window_left=-1)
     run = dict(query_tokens=16, window_left=900, cap=30.0, sinks=True, spec_changes=changes,
                expect=warpgroup_launched)
     run.update(extra)
+    second = dict(run, query_tokens=8, window_left=-1, cap=0.0, sinks=False)
     lens = [30000, 3000] if case == "cluster" else [20000, 30, 40, 500, 17] if case == "units" else [2100, 50, 999]
     run_variant(lens, **run)
-    run_variant(lens, **dict(run, query_tokens=8, window_left=-1, cap=0.0, sinks=False))
+    run_variant(lens, **second)
 
 
 def test_units_and_a_warp_per_kv_head():

@@ -21,9 +21,9 @@ import threading
 
 import numpy as np
 
-from . import arrays, gpu, planning, streams, tensors, variants
-from .choices import KV_DTYPES, KV_LAYOUTS, PAGE_SIZES, Q_DTYPES, WARP_ROWS
-from .heuristics import default_spec, resident_ctas_per_sm, takes_whole_row_clusters
+from . import arrays, gpu, instance, planning, streams, tensors, variants
+from .choices import WARP_ROWS
+from .heuristics import resident_ctas_per_sm, takes_whole_row_clusters
 from .launch import MERGE_THREADS, Arguments, Heads, Launch, UnitTables, check_outputs_apart, read_array, read_arrays
 from .plan import SplitPlan
 from .program_cache import ProgramCache, same_spec
@@ -80,33 +80,13 @@ class DecodeAttention:
                  kv_layout: str = "NHD", tuned: bool = True, unit_costs: CostModel | None = None):
         import cupy
 
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name}: expected an int, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        num_qo_heads, num_kv_heads, head_dim = int(num_qo_heads), int(num_kv_heads), int(head_dim)
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads {num_qo_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        sm_scale = tensors.check_sm_scale(sm_scale)
-        for name, value, allowed in (("q_dtype", q_dtype, Q_DTYPES), ("kv_dtype", kv_dtype, KV_DTYPES)):
-            if not isinstance(value, str) or value not in allowed:
-                raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
-        if page_size is not None and (isinstance(page_size, bool) or page_size not in PAGE_SIZES):
-            raise ValueError(f"page_size: expected None (contiguous caches) or a power of two from 1 to "
-                             f"{PAGE_SIZES[-1]}, got {page_size!r}")
-        if kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout: expected one of {list(KV_LAYOUTS)}, got {kv_layout!r}")
-        if page_size is None and kv_layout == "HND" and kv_dtype not in ("bf16", "fp16"):
-            raise ValueError(f"kv_layout: contiguous 'HND' caches [B, Hkv, L, D] hold bf16 or fp16 K/V; {kv_dtype!r} "
-                             f"caches are 'NHD' [B, L, Hkv, ...] or paged")
+        num_qo_heads, num_kv_heads, head_dim, sm_scale = instance.check_arguments(
+            num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, sm_scale, page_size, kv_layout, device)
         self.page_size, self.kv_layout = int(page_size or 0), kv_layout
         paging = dict(page_size=self.page_size, kv_layout=kv_layout)
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.group_size = num_qo_heads // num_kv_heads
         self.sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-        if device is not None and (isinstance(device, bool) or not isinstance(device, numbers.Integral)):
-            raise TypeError(f"device: expected a CUDA device ordinal (int) or None, got {device!r}")
         try:
             device = cupy.cuda.Device(device)  # None: CuPy's current device
             self.device = device.id
@@ -116,27 +96,7 @@ class DecodeAttention:
             gpu.require_gpu(None if device is None else int(device))  # says what is missing
             raise
         layout = (head_dim, self.group_size, q_dtype, kv_dtype)
-        for name, given in (("spec", spec), ("dense_spec", dense_spec)):
-            if given is not None and (given.head_dim, given.group_size, given.q_dtype, given.kv_dtype) != layout:
-                raise ValueError(f"{name}: {given.name} does not match head_dim={head_dim}, group={self.group_size}, "
-                                 f"q_dtype={q_dtype}, kv_dtype={kv_dtype}")
-            if given is not None and given.warp_heads:
-                raise ValueError(f"{name}: warp_heads is chosen per plan, not per instance; "
-                                 "use plan(..., warp_heads=True)")
-        # A given program's attention variant comes from each plan: its CTA shape is what it gives,
-        # for the query tokens it gives (row slices share rings, so a shape of several tokens may
-        # hold more rings than one token's would: such a shape serves plans of its own tokens).
-        base = (spec.with_variant(spec.query_tokens) if spec is not None
-                else default_spec(self.arch, *layout, **paging))
-        if dense_spec is not None:
-            dense_spec = dense_spec.with_variant(dense_spec.query_tokens)
-        self.split_spec = base.replace(arch=self.arch, variant="split", **paging)
-        if dense_spec is not None:
-            self.dense_spec = dense_spec.replace(arch=self.arch, **paging).as_dense()
-        elif spec is None:  # the built-in shapes differ between the programs
-            self.dense_spec = default_spec(self.arch, *layout, "dense", **paging)
-        else:
-            self.dense_spec = base.replace(arch=self.arch, **paging).as_dense()
+        self.split_spec, self.dense_spec = instance.starting_programs(self.arch, layout, paging, spec, dense_spec)
         self._whole_row_clusters = takes_whole_row_clusters(self.split_spec)
         self._own_programs = (self.split_spec, self.dense_spec)  # batch-invariant plans launch these
         if not isinstance(tuned, bool):

@@ -127,7 +127,10 @@ def choose_plan(lengths, max_len: int, num_kv_heads: int, programs: Programs, gp
         plan = fixed_plan(lengths, num_kv_heads, variant=variant, chunk_size=chunk, num_splits=num_splits)
     dense = programs.dense
     if warp_heads is None:
-        warp_heads = wants_packed_heads(plan, num_kv_heads, warps=dense.warps, num_sms=gpu.num_sms)
+        # A warpgroup program's warps share their rows: a warp per K/V head would give each its own
+        # ring (four times the shared memory), so it is packed only when asked for.
+        warp_heads = dense.mma_m != "warpgroup" and wants_packed_heads(plan, num_kv_heads, warps=dense.warps,
+                                                                       num_sms=gpu.num_sms)
     if warp_heads:
         plan = pack_heads(plan, num_kv_heads, warps=dense.warps)
     if plan.heads_per_cta > 1:

@@ -298,6 +298,9 @@ class DecodeAttention:
         checked_table = check_table(block_table, lens, host_lens, validate, self.page_size, self.device) if self.page_size else None
         decode_fn, _ = self._programs.load(spec)
         merge_fn = self._programs.load(self.merge_spec)[0] if choice.merge else None
+        # The launched program's row blocks: a dense program may hold a K/V head's rows in fewer (or
+        # more) CTAs than the split program the planner counted with.
+        row_heads = self.num_kv_heads * spec.row_blocks
         grid = (plan.num_splits, row_heads // plan.heads_per_cta, batch)
         if max(grid[1], grid[2]) > _MAX_GRID_YZ:
             raise ValueError(f"seq_lens: a batch of {batch} sequences x {self.num_kv_heads} K/V heads exceeds the "

@@ -24,6 +24,28 @@ def test_dense_plans_do_not_need_the_split_chunk_in_whole_dense_tiles(fake_gpu):
     assert plan.variant == "dense" and attn._launch.spec == dense
 
 
+def test_a_dense_program_of_other_row_blocks_than_the_split_one_launches_its_own(fake_gpu):
+    # 16 query tokens x group 8 = 128 rows: the 4-warp split program serves them in two row blocks
+    # of 64, the 8-warp dense one in one CTA; a dense plan's grid and its Q / output rows are the
+    # dense program's (the split program's two blocks would address past the K/V heads).
+    split = default_spec("sm_90", 128, 8).replace(kv_copy="tma", mma_m="warpgroup", warps=4, tile_tokens=16,
+                                                   stages=2, chunk_size=64, cluster=1, query_tokens=16)
+    dense = split.replace(variant="dense", warps=8, fused_merge=True)
+    assert (split.row_blocks, dense.row_blocks) == (2, 1)
+    attn = runtime.DecodeAttention(64, 8, 128, spec=split, dense_spec=dense)
+    attn.plan([4096] * 3, variant="dense", query_tokens=16)
+    assert attn._launch.spec.row_blocks == 1 and attn._launch.grid == (1, 8, 3)
+    attn.plan([4096] * 3, variant="split", num_splits=2, query_tokens=16)
+    assert attn._launch.spec.row_blocks == 2 and attn._launch.grid == (2, 16, 3)
+
+
+def test_warpgroup_dense_programs_are_not_packed_a_warp_per_kv_head_unasked(fake_gpu):
+    spec = default_spec("sm_90", 128, 4).replace(kv_copy="tma", mma_m="warpgroup", warps=4, tile_tokens=64, stages=3)
+    attn = runtime.DecodeAttention(32, 8, 128, spec=spec)
+    plan = attn.plan([1024] * 64, variant="dense")  # a batch the planner packs for warp programs
+    assert plan.heads_per_cta == 1 and attn._launch.spec.mma_m == "warpgroup" and not attn._launch.spec.warp_heads
+
+
 def test_units_plans_load_no_split_program(fake_gpu):
     attn = runtime.DecodeAttention(32, 8, 128, tuned=False)
     attn.plan([4096, 100], variant="units")

@@ -220,6 +220,22 @@ def test_tokens_on_the_mma_rows_compile_for_sm90(head_dim, variant):
         assert "movmatrix_trans" in flat_source(spec)
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("changes", [
+    {}, {"head_dim": 64}, {"tile_tokens": 16, "chunk_size": 64, "stages": 4}, {"group_size": 8, "warps": 8, "cluster": 8},
+    {"variant": "dense", "cluster": 1}, {"page_size": 16}, {"q_dtype": "fp16", "kv_dtype": "fp16", "query_tokens": 8},
+], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "default")
+def test_warpgroup_programs_compile_for_sm90a_without_serialised_mmas(changes):
+    spec = KernelSpec(arch="sm_90", kv_copy="tma", mma_m="warpgroup", tile_tokens=64, stages=2, chunk_size=256,
+                      query_tokens=16).replace(**changes)
+    result = compile_cubin(spec, use_disk_cache=False)
+    assert result.spill_bytes == 0, f"{spec.name} spills {result.spill_bytes} bytes"
+    assert "sm_90a" in result.log and "wgmma.mma_async" in result.source
+    # ptxas says so (C7510-C7515, "wgmma.mma_async instructions are serialized") where it has to
+    # wait for each MMA: a register of one in flight touched, or too few registers.
+    assert "serialized" not in result.log, result.log
+
+
 def test_rendered_source_carries_the_parameters():
     spec = KernelSpec(head_dim=96, group_size=3, warps=2, tile_tokens=16, stages=3, chunk_size=64)
     source = render(spec)

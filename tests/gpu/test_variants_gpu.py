@@ -242,7 +242,8 @@ def test_warpgroup_mmas_layouts(case):
         extra = dict(page_size=64, kv_layout="HND")
     elif case == "cluster":
         changes.update(cluster=4)
-        extra = dict(variant="split", num_splits=8)
+        extra = dict(variant="split", num_splits=8,
+                     expect=lambda attn: warpgroup_launched(attn) and attn._launch.spec.cluster == 4)
     elif case == "units":  # (units plans take no window)
         extra = dict(variant="units", window_left=-1)
     run = dict(query_tokens=16, window_left=900, cap=30.0, sinks=True, spec_changes=changes,

@@ -1,7 +1,8 @@
 """What a `DecodeAttention` is made with: its arguments checked, and the programs it plans with
 before any tuned table is consulted (the built-in shapes, or the caller's specs).
 
-Pure (no GPU): the constructor calls these before it asks CuPy for the device.
+Pure (no GPU): the constructor checks its arguments before it asks CuPy for the device, and
+chooses the programs once it knows the device's arch.
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ class DecodeAttention:
         tests, benchmarks and tuning;
         ``warp_heads`` True or False overrides whether a dense plan's warps get a K/V head each
         (None: the planner's choice, ``plan.wants_packed_heads``, which applies to a dense plan
-        asked for through ``variant`` too).
+        asked for through ``variant`` too; never for a warpgroup dense program, whose warps share
+        their rows).
         ``variant='units'``: the work-unit planner (`work_units.choose_kv_splits`) and the units
         program, one CTA per unit in table order (longest first), split rows merged by the merge
         program; returns the `UnitPlan`. ``max_units`` fixes the tables' sizes (at least

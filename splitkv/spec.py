@@ -143,21 +143,14 @@ class KernelSpec:
                 f"{self.kv_dtype}); {self.arch} allows {limit}")
 
     def _check_warpgroup(self) -> None:
-        """mma_m='warpgroup': wgmma (sm_90a alone) reads K and V where the tensor maps lay them, in
-        boxes of 128 bytes swizzled, as 16-bit values it takes as they are; its O accumulators of
-        head_dim 256 (128 registers a thread) would not leave room for the rest."""
-        why = None
-        if arch_number(self.arch) != 90:
-            why = f"warpgroup MMAs (wgmma) exist on sm_90a alone, got arch {self.arch}"
-        elif self.kv_copy != "tma":
+        """mma_m='warpgroup': what `warpgroup_refusal` says of the arch and K/V rows, then the tiles
+        read as the tensor maps lay them (128-byte boxes, swizzled) by whole warpgroups."""
+        why = warpgroup_refusal(self.arch, self.head_dim, self.kv_dtype)
+        if why is None and self.kv_copy != "tma":
             why = "the MMAs read K/V tiles as the tensor maps lay them out; use kv_copy='tma'"
-        elif self.kv_dtype in QUANTIZED_KV_DTYPES:
-            why = f"the MMAs read 16-bit K/V from shared memory as stored; {self.kv_dtype} needs 'heads'"
-        elif self.head_dim not in (64, 128):
-            why = f"head_dim 64 or 128 (rows of whole 128-byte boxes, O in registers); got {self.head_dim}"
-        elif self.warps % WARPGROUP_WARPS:
+        elif why is None and self.warps % WARPGROUP_WARPS:
             why = f"warps: a whole number of warpgroups of {WARPGROUP_WARPS}; got {self.warps}"
-        elif self.warp_heads:
+        elif why is None and self.warp_heads:
             why = "warp_heads serves a K/V head per warp; a warpgroup shares its rows"
         if why:
             raise ValueError(f"mma_m: 'warpgroup': {why}")
@@ -480,6 +473,20 @@ class QuantizeSpec:
         """'sm_90-quantize-d128-bf16-fp8_e4m3'."""
         return (f"{self.arch}-quantize-d{self.head_dim}-{self.in_dtype}-{self.kv_format}"
                 + (f"-t{self.threads}" if self.threads != 256 else ""))
+
+
+def warpgroup_refusal(arch: str, head_dim: int, kv_dtype: str) -> str | None:
+    """Why warpgroup MMAs (mma_m='warpgroup') cannot serve programs of this arch, head_dim and K/V
+    type, or None where they can: wgmma exists on sm_90a alone and takes 16-bit K/V from shared
+    memory as stored; O accumulators of head_dim 256 (128 registers a thread) leave no room for the
+    rest, and rows of other head dims are no whole number of 128-byte boxes."""
+    if arch_number(arch) != 90:
+        return f"warpgroup MMAs (wgmma) exist on sm_90a alone, got arch {arch}"
+    if kv_dtype in QUANTIZED_KV_DTYPES:
+        return f"the MMAs read 16-bit K/V from shared memory as stored; {kv_dtype} needs 'heads'"
+    if head_dim not in (64, 128):
+        return f"head_dim 64 or 128 (rows of whole 128-byte boxes, O in registers); got {head_dim}"
+    return None
 
 
 def _normalise_ints(spec, fields) -> None:

@@ -23,7 +23,7 @@ import functools
 
 from ..arch import arch_number
 from ..choices import MMA_M, STAGES, TILE_TOKENS, rows_fit_tma_boxes
-from ..spec import KernelSpec
+from ..spec import KernelSpec, warpgroup_refusal
 from ..tuned.keys import TuneKey
 
 #: Tuned fields and their candidate values. ``chunk_tiles`` is the split length in whole CTA
@@ -72,9 +72,9 @@ WARPGROUP_MIN_ROWS = 32
 
 
 def _warpgroup_fits(key: TuneKey, arch: str) -> bool:
-    """Whether mma_m='warpgroup' can serve the key (see KernelSpec._check_warpgroup) and may pay."""
-    return (arch_number(arch) == 90 and key.kv_dtype in ("bf16", "fp16") and key.head_dim in (64, 128)
-            and rows_fit_tma_boxes(key.head_dim, key.kv_dtype) and key.group_size * key.query_tokens >= WARPGROUP_MIN_ROWS)
+    """Whether mma_m='warpgroup' can serve the key (`spec.warpgroup_refusal`) and may pay."""
+    return (warpgroup_refusal(arch, key.head_dim, key.kv_dtype) is None
+            and key.group_size * key.query_tokens >= WARPGROUP_MIN_ROWS)
 
 
 @functools.lru_cache(maxsize=None)
